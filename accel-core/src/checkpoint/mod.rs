@@ -1,0 +1,1 @@
+//! Checkpoint files: safetensors I/O, sharded model saving and atomic folders.

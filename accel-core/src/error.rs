@@ -1,0 +1,134 @@
+//! The one error type of accel-core, with the context a user needs to act on it.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in accel-core.
+///
+/// Variants carry the file, tensor, key or step at fault so the message alone
+/// tells the user what to fix.
+#[derive(thiserror::Error)]
+pub enum Error {
+    // === wrapped errors from lower layers ===
+    /// A tensor operation failed inside candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    /// A fused kernel failed.
+    #[error(transparent)]
+    Kernels(#[from] accel_kernels::Error),
+    /// A collective or launcher error.
+    #[error(transparent)]
+    Dist(#[from] accel_dist::Error),
+
+    // === files and formats ===
+    /// Reading or writing a file failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was being done ("reading", "writing", "renaming", ...).
+        op: &'static str,
+        /// The file or folder at fault.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A safetensors file could not be parsed or written.
+    #[error("{}: invalid safetensors file: {reason}", path.display())]
+    Safetensors {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A JSON file could not be parsed or written.
+    #[error("{}: invalid JSON: {reason}", path.display())]
+    Json {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A checkpoint file the loader needs is not there.
+    #[error("{}: missing checkpoint file ({what})", path.display())]
+    MissingFile {
+        /// The expected path.
+        path: PathBuf,
+        /// What the file should have held.
+        what: String,
+    },
+    /// A tensor in a file does not have the shape the model expects.
+    #[error("{}: tensor `{tensor}` has shape {got:?}, expected {expected:?}", path.display())]
+    ShapeMismatch {
+        /// The file holding the tensor.
+        path: PathBuf,
+        /// The tensor name.
+        tensor: String,
+        /// The shape the model wants.
+        expected: Vec<usize>,
+        /// The shape in the file.
+        got: Vec<usize>,
+    },
+    /// A tensor in a file does not have the dtype the model expects.
+    #[error("{}: tensor `{tensor}` has dtype {got:?}, expected {expected:?}", path.display())]
+    DtypeMismatch {
+        /// The file holding the tensor.
+        path: PathBuf,
+        /// The tensor name.
+        tensor: String,
+        /// The dtype the model wants.
+        expected: candle_core::DType,
+        /// The dtype in the file.
+        got: candle_core::DType,
+    },
+    /// A file lacks tensors the model has, or has tensors the model lacks.
+    #[error("{}: keys do not match the model: missing {missing:?}, unexpected {unexpected:?}", path.display())]
+    KeyMismatch {
+        /// The file at fault.
+        path: PathBuf,
+        /// Names the model has and the file lacks.
+        missing: Vec<String>,
+        /// Names the file has and the model lacks.
+        unexpected: Vec<String>,
+    },
+
+    // === configuration and usage ===
+    /// A setting has a value the Accelerator cannot use.
+    #[error("invalid configuration `{key}`: {reason}")]
+    Config {
+        /// The setting at fault.
+        key: String,
+        /// Why it is rejected.
+        reason: String,
+    },
+    /// An API was used in an order or a way it does not support.
+    #[error("{0}")]
+    Usage(String),
+}
+
+// candle's convention: Debug prints the same text as Display so `main() -> Result`
+// and `unwrap()` show the readable message, not a struct dump.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// The result type of accel-core.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    /// Wraps an I/O error with the operation and path it came from.
+    pub fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Returns early with [`Error::Usage`] built from a format string.
+#[macro_export]
+macro_rules! bail {
+    ($($arg:tt)*) => {
+        return Err($crate::Error::Usage(format!($($arg)*)))
+    };
+}

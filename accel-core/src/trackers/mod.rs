@@ -1,0 +1,1 @@
+//! Experiment trackers: JSONL and TensorBoard event files.
