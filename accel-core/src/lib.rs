@@ -1,12 +1,32 @@
 //! accel-core: the `Accelerator` for training candle models.
+//!
+//! One crate to depend on: it re-exports the lower crates as [`kernels`],
+//! [`dist`] and [`bigmodel`].
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 mod error;
 pub use error::{Error, Result};
 
+mod accelerator;
+pub mod accumulation;
 pub mod checkpoint;
+pub mod data;
+mod init;
+pub mod model;
+pub mod optim;
+pub mod precision;
+pub mod rng;
+pub mod scheduler;
+pub mod state;
 pub mod trackers;
+
+pub use accelerator::{Accelerator, AcceleratorConfig, ProjectConfiguration};
+pub use accumulation::{GradientAccumulationPlugin, GradientState};
+pub use init::init_values;
+pub use model::PreparedModel;
+pub use precision::{GradScaler, GradScalerConfig, PrecisionType};
+pub use state::{DistributedType, ProcessState};
 
 pub use accel_bigmodel as bigmodel;
 pub use accel_dist as dist;

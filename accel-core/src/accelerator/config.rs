@@ -1,0 +1,158 @@
+//! Settings of an [`super::Accelerator`].
+
+use std::path::PathBuf;
+
+use candle_core::Device;
+
+use crate::accumulation::GradientAccumulationPlugin;
+use crate::precision::{GradScalerConfig, PrecisionType};
+
+/// Where a run writes its checkpoints and logs (Accelerate's `ProjectConfiguration`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProjectConfiguration {
+    /// Root folder of the run.
+    pub project_dir: PathBuf,
+    /// Where trackers write; defaults to `project_dir`.
+    pub logging_dir: Option<PathBuf>,
+    /// Save to `project_dir/checkpoints/checkpoint_{n}` with a counter.
+    pub automatic_checkpoint_naming: bool,
+    /// Keep at most this many automatic checkpoints, deleting the oldest.
+    pub total_limit: Option<usize>,
+    /// The number the next automatic checkpoint gets.
+    pub iteration: u64,
+}
+
+impl Default for ProjectConfiguration {
+    fn default() -> Self {
+        Self {
+            project_dir: PathBuf::from("."),
+            logging_dir: None,
+            automatic_checkpoint_naming: false,
+            total_limit: None,
+            iteration: 0,
+        }
+    }
+}
+
+impl ProjectConfiguration {
+    /// A project rooted at `project_dir` with automatic checkpoint naming.
+    pub fn automatic(project_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            project_dir: project_dir.into(),
+            automatic_checkpoint_naming: true,
+            ..Default::default()
+        }
+    }
+
+    /// Keeps at most `limit` automatic checkpoints.
+    pub fn with_total_limit(mut self, limit: usize) -> Self {
+        self.total_limit = Some(limit);
+        self
+    }
+
+    /// The folder trackers write into.
+    pub fn logging_dir(&self) -> PathBuf {
+        self.logging_dir
+            .clone()
+            .unwrap_or_else(|| self.project_dir.clone())
+    }
+}
+
+/// Everything that shapes an [`super::Accelerator`]; `Default` is a plain fp32
+/// run on the CPU with no accumulation.
+///
+/// ```
+/// use accel_core::{AcceleratorConfig, PrecisionType};
+/// let config = AcceleratorConfig::default()
+///     .with_mixed_precision(PrecisionType::Bf16)
+///     .with_gradient_accumulation_steps(4)
+///     .with_seed(42);
+/// assert_eq!(config.gradient_accumulation.num_steps, 4);
+/// ```
+#[derive(Debug, Clone)]
+pub struct AcceleratorConfig {
+    /// The precision mode.
+    pub mixed_precision: PrecisionType,
+    /// Gradient accumulation.
+    pub gradient_accumulation: GradientAccumulationPlugin,
+    /// The loss scale for fp16.
+    pub scaler: GradScalerConfig,
+    /// Seed for initialisation and data order; `None` draws one from the clock.
+    pub seed: Option<u64>,
+    /// Checkpoint and log folders.
+    pub project: ProjectConfiguration,
+    /// The device; `None` picks the CPU (or CUDA device `LOCAL_RANK` when built with `cuda`).
+    pub device: Option<Device>,
+    /// Trackers by name (`"jsonl"`, `"tensorboard"`, `"all"`).
+    pub log_with: Vec<String>,
+    /// Batches are split across processes rather than drawn per process.
+    pub split_batches: bool,
+    /// Step schedulers once per process per optimizer step (Accelerate's default).
+    pub step_scheduler_with_optimizer: bool,
+}
+
+impl Default for AcceleratorConfig {
+    fn default() -> Self {
+        Self {
+            mixed_precision: PrecisionType::No,
+            gradient_accumulation: GradientAccumulationPlugin::default(),
+            scaler: GradScalerConfig::default(),
+            seed: None,
+            project: ProjectConfiguration::default(),
+            device: None,
+            log_with: vec![],
+            split_batches: false,
+            step_scheduler_with_optimizer: true,
+        }
+    }
+}
+
+impl AcceleratorConfig {
+    /// Sets the precision mode.
+    pub fn with_mixed_precision(mut self, p: PrecisionType) -> Self {
+        self.mixed_precision = p;
+        self
+    }
+
+    /// Accumulates gradients over `n` micro-batches.
+    pub fn with_gradient_accumulation_steps(mut self, n: usize) -> Self {
+        self.gradient_accumulation.num_steps = n;
+        self
+    }
+
+    /// Sets the whole accumulation plugin.
+    pub fn with_gradient_accumulation(mut self, plugin: GradientAccumulationPlugin) -> Self {
+        self.gradient_accumulation = plugin;
+        self
+    }
+
+    /// Fixes the seed.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
+    /// Sets the project folders.
+    pub fn with_project(mut self, project: ProjectConfiguration) -> Self {
+        self.project = project;
+        self
+    }
+
+    /// Sets the device.
+    pub fn with_device(mut self, device: Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// Sets the trackers.
+    pub fn with_log_with<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
+        self.log_with = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Sets the fp16 loss-scale settings.
+    pub fn with_scaler(mut self, scaler: GradScalerConfig) -> Self {
+        self.scaler = scaler;
+        self
+    }
+}

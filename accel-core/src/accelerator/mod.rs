@@ -1,0 +1,422 @@
+//! The [`Accelerator`]: the one object a training script talks to.
+//!
+//! It is a thin facade: precision lives in `precision/`, accumulation in
+//! `accumulation.rs`, gradients in `model.rs`, optimizers in `optim/`,
+//! checkpoint files in `checkpoint/` and their layout in `checkpointing.rs`.
+
+mod checkpointing;
+mod config;
+
+pub use config::{AcceleratorConfig, ProjectConfiguration};
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::accumulation::GradientState;
+use crate::checkpoint::Checkpointable;
+use crate::data::{DataLoader, Dataset, LoaderPosition};
+use crate::init::{MasterMap, SeededBackend};
+use crate::model::PreparedModel;
+use crate::optim::{Optimizer, PreparedOptimizer};
+use crate::precision::{GradScaler, PrecisionType};
+use crate::rng::SplitMix64;
+use crate::scheduler::{LrScheduler, PreparedScheduler};
+use crate::state::{DistributedType, ProcessState};
+use crate::trackers::{LogValue, Trackers};
+use crate::{Error, Result};
+
+type SharedCheckpointable = Arc<Mutex<dyn Checkpointable + Send>>;
+
+/// Runs a training loop with mixed precision, gradient accumulation,
+/// checkpointing and trackers, as Hugging Face Accelerate's `Accelerator`.
+///
+/// ```
+/// use accel_core::{Accelerator, AcceleratorConfig, optim::{AdamW, AdamWConfig}};
+/// use candle_nn::{Module, VarMap};
+///
+/// # fn main() -> accel_core::Result<()> {
+/// let mut acc = Accelerator::new(AcceleratorConfig::default().with_seed(0))?;
+/// let varmap = VarMap::new();
+/// let layer = candle_nn::linear(4, 1, acc.var_builder(&varmap))?;
+/// let model = acc.prepare_model(&varmap)?;
+/// let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig::default()));
+/// let x = candle_core::Tensor::ones((8, 4), acc.compute_dtype(), acc.device())?;
+/// for _ in 0..3 {
+///     acc.accumulate(|acc| {
+///         let loss = layer.forward(&x)?.sqr()?.mean_all()?;
+///         acc.backward(&loss)?;
+///         opt.step()?;
+///         opt.zero_grad();
+///         Ok(())
+///     })?;
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Accelerator {
+    state: ProcessState,
+    config: AcceleratorConfig,
+    grad_state: GradientState,
+    scaler: Option<Arc<Mutex<GradScaler>>>,
+    seed: u64,
+    rng: SplitMix64,
+    masters: MasterMap,
+    models: Vec<PreparedModel>,
+    optimizers: Vec<PreparedOptimizer>,
+    schedulers: Vec<PreparedScheduler>,
+    loaders: Vec<Arc<Mutex<LoaderPosition>>>,
+    custom: Vec<SharedCheckpointable>,
+    trackers: Trackers,
+}
+
+impl Accelerator {
+    /// An Accelerator for this process, reading its rank from the launcher's
+    /// environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`).
+    pub fn new(config: AcceleratorConfig) -> Result<Self> {
+        let device = match &config.device {
+            Some(d) => d.clone(),
+            None => default_device()?,
+        };
+        let state = ProcessState::from_env(device)?;
+        if state.world_size > 1 {
+            // Collectives arrive with accel-dist's communicators; until the
+            // process group is wired in, refuse rather than train unsynchronised.
+            return Err(Error::Config {
+                key: "WORLD_SIZE".into(),
+                reason: format!(
+                    "{} processes requested, but this build runs single-process jobs only",
+                    state.world_size
+                ),
+            });
+        }
+        if config.gradient_accumulation.num_steps == 0 {
+            return Err(Error::Config {
+                key: "gradient_accumulation_steps".into(),
+                reason: "must be at least 1".into(),
+            });
+        }
+        let scaler = (config.mixed_precision == PrecisionType::Fp16)
+            .then(|| Arc::new(Mutex::new(GradScaler::new(config.scaler))));
+        let seed = config.seed.unwrap_or_else(clock_seed);
+        Ok(Self {
+            grad_state: GradientState::new(config.gradient_accumulation),
+            state,
+            scaler,
+            seed,
+            rng: SplitMix64::new(seed),
+            masters: Default::default(),
+            models: vec![],
+            optimizers: vec![],
+            schedulers: vec![],
+            loaders: vec![],
+            custom: vec![],
+            trackers: Trackers::default(),
+            config,
+        })
+    }
+
+    // === identity ===
+
+    /// The device this process computes on.
+    pub fn device(&self) -> &Device {
+        &self.state.device
+    }
+
+    /// Rank, world size and device of this process.
+    pub fn state(&self) -> &ProcessState {
+        &self.state
+    }
+
+    /// Global rank of this process.
+    pub fn process_index(&self) -> usize {
+        self.state.rank
+    }
+
+    /// Number of processes in the job.
+    pub fn num_processes(&self) -> usize {
+        self.state.world_size
+    }
+
+    /// True on global rank 0.
+    pub fn is_main_process(&self) -> bool {
+        self.state.is_main_process()
+    }
+
+    /// True on local rank 0.
+    pub fn is_local_main_process(&self) -> bool {
+        self.state.is_local_main_process()
+    }
+
+    /// The kind of run.
+    pub fn distributed_type(&self) -> DistributedType {
+        self.state.distributed_type
+    }
+
+    /// The precision mode.
+    pub fn mixed_precision(&self) -> PrecisionType {
+        self.config.mixed_precision
+    }
+
+    /// The dtype models compute in (bf16/f16 under mixed precision, else f32).
+    pub fn compute_dtype(&self) -> DType {
+        self.config.mixed_precision.compute_dtype()
+    }
+
+    /// Prints on the main process only.
+    pub fn print(&self, msg: impl std::fmt::Display) {
+        if self.is_main_process() {
+            println!("{msg}");
+        }
+    }
+
+    /// Waits for every process to reach this point (a no-op in a single process).
+    pub fn wait_for_everyone(&self) -> Result<()> {
+        Ok(())
+    }
+
+    // === seeding ===
+
+    /// Seeds parameter initialisation, data order and [`Accelerator::rng`].
+    pub fn set_seed(&mut self, seed: u64) {
+        self.seed = seed;
+        self.rng = SplitMix64::new(seed);
+    }
+
+    /// The seed in use.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// A generator for user randomness (dropout masks, augmentation) whose
+    /// state `save_state` stores, so a resumed run draws the same numbers.
+    pub fn rng(&mut self) -> &mut SplitMix64 {
+        &mut self.rng
+    }
+
+    // === preparing ===
+
+    /// A `VarBuilder` that creates parameters into `varmap` in the compute
+    /// dtype, initialised from the seed and each parameter's name.
+    pub fn var_builder(&self, varmap: &VarMap) -> VarBuilder<'static> {
+        let backend = SeededBackend {
+            varmap: varmap.clone(),
+            masters: self.masters.clone(),
+            seed: self.seed,
+        };
+        VarBuilder::from_backend(
+            Box::new(backend),
+            self.compute_dtype(),
+            self.device().clone(),
+        )
+    }
+
+    /// Prepares the parameters in `varmap` for training: fp32 master copies
+    /// for parameters held in a lower precision, and gradient buffers.
+    pub fn prepare_model(&mut self, varmap: &VarMap) -> Result<PreparedModel> {
+        let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
+        let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        drop(data);
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut masters_drawn = self.masters.lock().unwrap_or_else(|e| e.into_inner());
+        let (mut names, mut vars, mut masters) = (vec![], vec![], vec![]);
+        for (name, var) in named {
+            let master = match var.dtype() {
+                DType::F32 => var.clone(),
+                _ => match masters_drawn.remove(&name) {
+                    Some(m) => m,
+                    None => candle_core::Var::from_tensor(&var.to_dtype(DType::F32)?)?,
+                },
+            };
+            names.push(name);
+            vars.push(var);
+            masters.push(master);
+        }
+        drop(masters_drawn);
+        let model = PreparedModel::new(names, vars, masters);
+        self.models.push(model.clone());
+        Ok(model)
+    }
+
+    /// Wraps `optimizer` over `model`'s master weights.
+    pub fn prepare_optimizer(
+        &mut self,
+        model: &PreparedModel,
+        optimizer: impl Optimizer + 'static,
+    ) -> PreparedOptimizer {
+        let opt = PreparedOptimizer::new(
+            Box::new(optimizer),
+            model.clone(),
+            self.grad_state.clone(),
+            self.scaler.clone(),
+        );
+        self.optimizers.push(opt.clone());
+        opt
+    }
+
+    /// Wraps a learning-rate schedule that drives `optimizer`.
+    pub fn prepare_scheduler(
+        &mut self,
+        scheduler: LrScheduler,
+        optimizer: &PreparedOptimizer,
+    ) -> PreparedScheduler {
+        let procs = if self.config.step_scheduler_with_optimizer {
+            self.num_processes()
+        } else {
+            1
+        };
+        let s = PreparedScheduler::new(
+            scheduler,
+            optimizer.clone(),
+            self.grad_state.clone(),
+            procs,
+            self.config.split_batches,
+        );
+        self.schedulers.push(s.clone());
+        s
+    }
+
+    /// Prepares a data loader: its last batch ends an accumulation cycle, its
+    /// shuffle is seeded, and its position is saved with the state.
+    pub fn prepare_data_loader<D: Dataset>(&mut self, mut loader: DataLoader<D>) -> DataLoader<D> {
+        let pos = loader.attach(self.grad_state.clone(), self.seed);
+        self.loaders.push(pos);
+        loader
+    }
+
+    /// Saves and restores `object` with the state (`custom_checkpoint_{i}`).
+    pub fn register_for_checkpointing<T: Checkpointable + Send + 'static>(
+        &mut self,
+        object: Arc<Mutex<T>>,
+    ) {
+        self.custom.push(object);
+    }
+
+    // === the training step ===
+
+    /// Runs one micro-batch of gradient accumulation: decides whether this
+    /// micro-batch syncs, then runs `f`. Inside, `optimizer.step()` and
+    /// `zero_grad()` only act on the sync micro-batch.
+    pub fn accumulate<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        self.grad_state.do_sync();
+        f(self)
+    }
+
+    /// True when the current micro-batch ends an accumulation cycle.
+    pub fn sync_gradients(&self) -> bool {
+        self.grad_state.sync_gradients()
+    }
+
+    /// Micro-batches per optimizer step.
+    pub fn gradient_accumulation_steps(&self) -> usize {
+        self.grad_state.num_steps()
+    }
+
+    /// The shared accumulation state.
+    pub fn gradient_state(&self) -> &GradientState {
+        &self.grad_state
+    }
+
+    /// Back-propagates `loss` and adds the gradients to every prepared model's
+    /// buffers; the loss is divided by the accumulation steps and, for fp16,
+    /// multiplied by the loss scale first.
+    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
+        let mut factor = 1.0 / self.gradient_accumulation_steps() as f64;
+        if let Some(s) = &self.scaler {
+            factor *= s.lock().unwrap_or_else(|e| e.into_inner()).scale();
+        }
+        let scaled = if factor == 1.0 {
+            loss.clone()
+        } else {
+            loss.affine(factor, 0.0)?
+        };
+        let grads = scaled.backward()?;
+        for m in &self.models {
+            m.accumulate(&grads)?;
+        }
+        Ok(())
+    }
+
+    /// The fp16 loss scale, when one is in use.
+    pub fn loss_scale(&self) -> Option<f64> {
+        self.scaler
+            .as_ref()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).scale())
+    }
+
+    /// Divides `model`'s gradients by the loss scale now (done at most once a step);
+    /// returns whether any gradient is inf or NaN. Without fp16 it does nothing.
+    pub fn unscale_gradients(&self, model: &PreparedModel) -> Result<bool> {
+        match self.loss_scale() {
+            Some(scale) => model.unscale((1.0 / scale) as f32),
+            None => Ok(false),
+        }
+    }
+
+    /// Clips `model`'s gradients to a global L2 norm of `max_norm`
+    /// (`torch.nn.utils.clip_grad_norm_`), unscaling them first under fp16.
+    /// Returns the norm before clipping.
+    pub fn clip_grad_norm(&self, model: &PreparedModel, max_norm: f64) -> Result<f64> {
+        self.unscale_gradients(model)?;
+        model.clip_grad_norm(max_norm, 2.0)
+    }
+
+    /// Clamps `model`'s gradients into `[-clip_value, clip_value]`, unscaling first under fp16.
+    pub fn clip_grad_value(&self, model: &PreparedModel, clip_value: f64) -> Result<()> {
+        self.unscale_gradients(model)?;
+        model.clip_grad_value(clip_value)
+    }
+
+    // === trackers ===
+
+    /// Starts the trackers named in the configuration and records `config`.
+    pub fn init_trackers(&mut self, project_name: &str, config: &serde_json::Value) -> Result<()> {
+        if !self.is_main_process() || self.config.log_with.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = self.config.log_with.iter().map(String::as_str).collect();
+        self.trackers =
+            Trackers::from_names(&names, project_name, &self.config.project.logging_dir())?;
+        self.trackers.store_init_configuration(config)
+    }
+
+    /// Logs `values` at `step` to every tracker (main process only).
+    ///
+    /// `values` is any list of `(name, value)` pairs, e.g. `[("loss", 0.5)]`.
+    pub fn log<K: Into<String>, V: Into<LogValue>>(
+        &mut self,
+        values: impl IntoIterator<Item = (K, V)>,
+        step: Option<u64>,
+    ) -> Result<()> {
+        if !self.is_main_process() || self.trackers.is_empty() {
+            return Ok(());
+        }
+        self.trackers.log(values, step)
+    }
+
+    /// Flushes and closes the trackers.
+    pub fn end_training(&mut self) -> Result<()> {
+        self.trackers.finish()
+    }
+}
+
+fn default_device() -> Result<Device> {
+    #[cfg(feature = "cuda")]
+    {
+        if candle_core::utils::cuda_is_available() {
+            let local_rank = std::env::var("LOCAL_RANK")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            return Ok(Device::new_cuda(local_rank)?);
+        }
+    }
+    Ok(Device::Cpu)
+}
+
+fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}

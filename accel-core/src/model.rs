@@ -1,0 +1,212 @@
+//! A prepared model: its parameters, their fp32 master copies and the
+//! accumulated gradients, shared between the Accelerator and the optimizer.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+
+use crate::{Error, Result};
+
+#[derive(Debug)]
+pub(crate) struct ModelInner {
+    /// Parameter names in sorted order; indices below follow it.
+    pub names: Vec<String>,
+    /// The variables the model's forward reads, in its compute dtype.
+    pub model_vars: Vec<Var>,
+    /// fp32 master weights the optimizer updates; the same `Var` as
+    /// `model_vars[i]` when that one is already fp32.
+    pub masters: Vec<Var>,
+    /// fp32 gradient accumulators, allocated on the first backward.
+    pub grads: Vec<Option<Tensor>>,
+    /// Which accumulators hold a gradient since the last `zero_grad`.
+    pub has_grad: Vec<bool>,
+    /// Set once gradients were divided by the loss scale this step, and
+    /// whether that found a non-finite value.
+    pub unscaled: Option<bool>,
+}
+
+/// The parameters of a model prepared by the Accelerator.
+///
+/// It is a cheap handle: clones share the same parameters and gradients. The
+/// model struct itself stays the user's; it keeps reading `model_vars`, which
+/// the optimizer refreshes from the master weights after each step.
+#[derive(Debug, Clone)]
+pub struct PreparedModel {
+    inner: Arc<Mutex<ModelInner>>,
+}
+
+impl PreparedModel {
+    pub(crate) fn new(names: Vec<String>, model_vars: Vec<Var>, masters: Vec<Var>) -> Self {
+        let n = names.len();
+        Self {
+            inner: Arc::new(Mutex::new(ModelInner {
+                names,
+                model_vars,
+                masters,
+                grads: vec![None; n],
+                has_grad: vec![false; n],
+                unscaled: None,
+            })),
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, ModelInner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Parameter names, sorted.
+    pub fn names(&self) -> Vec<String> {
+        self.lock().names.clone()
+    }
+
+    /// Number of parameter tensors.
+    pub fn len(&self) -> usize {
+        self.lock().names.len()
+    }
+
+    /// True when the model has no parameters.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Total number of scalar parameters.
+    pub fn num_parameters(&self) -> usize {
+        self.lock().masters.iter().map(|v| v.elem_count()).sum()
+    }
+
+    /// The fp32 master weights, by name.
+    pub fn master_weights(&self) -> Vec<(String, Tensor)> {
+        let g = self.lock();
+        g.names
+            .iter()
+            .cloned()
+            .zip(g.masters.iter().map(|v| v.as_tensor().clone()))
+            .collect()
+    }
+
+    /// The accumulated fp32 gradient of each parameter that has one.
+    pub fn gradients(&self) -> Vec<(String, Tensor)> {
+        let g = self.lock();
+        (0..g.names.len())
+            .filter(|&i| g.has_grad[i])
+            .filter_map(|i| Some((g.names[i].clone(), g.grads[i].clone()?)))
+            .collect()
+    }
+
+    /// Adds the gradients of this model's variables found in `store` to the
+    /// accumulators (the first backward after `zero_grad` copies instead).
+    pub(crate) fn accumulate(&self, store: &GradStore) -> Result<()> {
+        let mut g = self.lock();
+        let (mut copy_dst, mut copy_src, mut add_dst, mut add_src) =
+            (vec![], vec![], vec![], vec![]);
+        for i in 0..g.names.len() {
+            let Some(grad) = store.get(g.model_vars[i].as_tensor()) else {
+                continue;
+            };
+            let acc = match &g.grads[i] {
+                Some(t) => t.clone(),
+                None => {
+                    let t = Tensor::zeros(grad.shape(), DType::F32, grad.device())?;
+                    g.grads[i] = Some(t.clone());
+                    t
+                }
+            };
+            // Gradients from candle may be strided views; the kernels need contiguous input.
+            let grad = grad.contiguous()?;
+            if g.has_grad[i] {
+                add_dst.push(acc);
+                add_src.push(grad);
+            } else {
+                copy_dst.push(acc);
+                copy_src.push(grad);
+                g.has_grad[i] = true;
+            }
+        }
+        accel_kernels::cast_into(&copy_src, &copy_dst)?;
+        accel_kernels::add_in_place(&add_dst, &add_src)?;
+        Ok(())
+    }
+
+    /// Forgets the accumulated gradients (the buffers are kept for reuse).
+    pub(crate) fn zero_grad(&self) {
+        let mut g = self.lock();
+        g.has_grad.iter_mut().for_each(|h| *h = false);
+        g.unscaled = None;
+    }
+
+    /// Copies the master weights into the compute-dtype variables the model reads.
+    pub(crate) fn refresh_model_weights(&self) -> Result<()> {
+        let g = self.lock();
+        let (mut src, mut dst) = (vec![], vec![]);
+        for (m, v) in g.masters.iter().zip(&g.model_vars) {
+            if m.dtype() != v.dtype() {
+                src.push(m.as_tensor().clone());
+                dst.push(v.as_tensor().clone());
+            }
+        }
+        accel_kernels::cast_into(&src, &dst)?;
+        Ok(())
+    }
+
+    /// Divides the gradients by the loss scale once per step; returns whether
+    /// any of them is inf or NaN.
+    pub(crate) fn unscale(&self, inv_scale: f32) -> Result<bool> {
+        let mut g = self.lock();
+        if let Some(found) = g.unscaled {
+            return Ok(found);
+        }
+        let grads = present_grads(&g);
+        let found = accel_kernels::unscale_and_check(&grads, inv_scale)?;
+        g.unscaled = Some(found);
+        Ok(found)
+    }
+
+    /// Scales gradients so their global L2 norm is at most `max_norm`, as
+    /// `torch.nn.utils.clip_grad_norm_` does; returns the norm before clipping.
+    pub(crate) fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<f64> {
+        let g = self.lock();
+        let grads = present_grads(&g);
+        let total = if norm_type.is_infinite() {
+            accel_kernels::max_abs(&grads)?
+        } else if norm_type == 2.0 {
+            accel_kernels::sum_of_squares(&grads)?.sqrt()
+        } else {
+            return Err(Error::Config {
+                key: "norm_type".into(),
+                reason: format!("{norm_type} is not supported (use 2.0 or f64::INFINITY)"),
+            });
+        };
+        // PyTorch computes the coefficient in f32 and clamps it at 1.
+        let coef = (max_norm as f32 / (total as f32 + 1e-6)).min(1.0);
+        if coef < 1.0 {
+            accel_kernels::scale_in_place(&grads, coef)?;
+        }
+        Ok(total)
+    }
+
+    /// Clamps every gradient element into `[-clip, clip]`.
+    pub(crate) fn clip_grad_value(&self, clip: f64) -> Result<()> {
+        let g = self.lock();
+        let grads = present_grads(&g);
+        accel_kernels::clamp_in_place(&grads, -clip as f32, clip as f32)?;
+        Ok(())
+    }
+
+    /// The master variables with their names, for loading.
+    pub(crate) fn named_masters(&self) -> Vec<(String, Var)> {
+        let g = self.lock();
+        g.names
+            .iter()
+            .cloned()
+            .zip(g.masters.iter().cloned())
+            .collect()
+    }
+}
+
+fn present_grads(g: &ModelInner) -> Vec<Tensor> {
+    (0..g.names.len())
+        .filter(|&i| g.has_grad[i])
+        .filter_map(|i| g.grads[i].clone())
+        .collect()
+}
