@@ -1,5 +1,40 @@
 //! Fused multi-tensor mixed-precision kernels for candle tensors.
+//!
+//! Mixed-precision training touches every parameter several times per step:
+//! unscaling gradients, checking them for overflow, clipping, the optimizer
+//! update, and refreshing the low-precision weights from f32 master
+//! weights. Done with one candle op per tensor, each pass allocates and
+//! walks memory separately. The functions here take whole lists of tensors
+//! and, for host tensors, do each job in a single fused, multi-threaded pass
+//! over all of them, updating storage in place. Tensors on other devices go
+//! through an equivalent built from candle tensor ops.
+//!
+//! The crate contains no `unsafe`: mutable access to tensor storage goes
+//! through candle's in-place custom ops (see [`with_slice_mut`]).
+//!
+//! In-place results are visible through every tensor sharing the storage
+//! (clones, the tensor of a `Var`). A call holds the storage locks of the
+//! tensors it touches while it runs, so it refuses lists in which a written
+//! tensor shares storage with another tensor of the same call (that would
+//! deadlock) with [`Error::AliasedStorage`].
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
+mod cpu;
 mod error;
+mod fallback;
+mod multi_tensor;
+mod optim;
+mod slices;
+mod validate;
+
 pub use error::{Error, Result};
+pub use multi_tensor::{
+    add_in_place, cast_into, cast_tensors, clamp_in_place, has_non_finite, max_abs, scale_in_place,
+    sum_of_squares, unscale_and_check,
+};
+pub use optim::{adamw_step, sgd_step, AdamWParams, SgdParams};
+pub use slices::{with_slice, with_slice_mut};
+
+#[cfg(test)]
+mod tests;
