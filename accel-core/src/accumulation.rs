@@ -113,7 +113,7 @@ impl GradientState {
             g.sync_gradients = true;
         } else {
             g.step += 1;
-            g.sync_gradients = g.step % g.plugin.num_steps.max(1) as u64 == 0;
+            g.sync_gradients = g.step.is_multiple_of(g.plugin.num_steps.max(1) as u64);
         }
     }
 

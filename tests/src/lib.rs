@@ -1,1 +1,119 @@
-//! Shared helpers for the integration tests.
+//! Shared helpers for the integration tests: a tiny GPT training job that the
+//! worker binary and the in-process tests run identically.
+
+use accel_core::data::{DataLoader, TensorDataset};
+use accel_core::optim::{AdamW, AdamWConfig, PreparedOptimizer};
+use accel_core::scheduler::{LrScheduler, PreparedScheduler, Schedule};
+use accel_core::{Accelerator, PreparedModel};
+use accel_examples::text::{windows, CharTokenizer, CORPUS};
+use accel_examples::{Gpt, GptConfig};
+use candle_core::Tensor;
+use candle_nn::VarMap;
+
+/// A small GPT with its prepared parameters, optimizer, scheduler and loader.
+pub struct TinyJob {
+    /// The model.
+    pub model: Gpt,
+    /// Its prepared parameters.
+    pub params: PreparedModel,
+    /// AdamW over them.
+    pub opt: PreparedOptimizer,
+    /// A warm-up + cosine schedule.
+    pub sched: PreparedScheduler,
+    /// Shuffled windows of the corpus.
+    pub loader: DataLoader<TensorDataset>,
+}
+
+/// Optimizer steps the tiny job's schedule spans.
+pub const TOTAL_STEPS: u64 = 40;
+
+impl TinyJob {
+    /// Builds the job on `acc`; the first `corpus_chars` characters of the
+    /// corpus are used so an epoch is a handful of batches.
+    pub fn new(acc: &mut Accelerator, corpus_chars: usize) -> accel_core::Result<Self> {
+        let tok = CharTokenizer::new(CORPUS);
+        let cfg = GptConfig {
+            vocab_size: tok.vocab_size(),
+            n_embd: 32,
+            n_layer: 2,
+            n_head: 2,
+            block_size: 16,
+        };
+        let text: String = CORPUS.chars().take(corpus_chars).collect();
+        let ids = tok
+            .encode(&text)
+            .map_err(|e| accel_core::Error::Usage(e.to_string()))?;
+        let (x, y, n) = windows(&ids, cfg.block_size, 8);
+        let x = Tensor::from_vec(x, (n, cfg.block_size), acc.device())?;
+        let y = Tensor::from_vec(y, (n, cfg.block_size), acc.device())?;
+        let loader = DataLoader::new(
+            TensorDataset::new(vec![x, y])?,
+            accel_core::data::DataLoaderConfig::new(4).with_shuffle(true),
+        );
+        let varmap = VarMap::new();
+        let model = Gpt::new(cfg, acc.var_builder(&varmap))?;
+        let params = acc.prepare_model(&varmap)?;
+        let opt = acc.prepare_optimizer(
+            &params,
+            AdamW::new(AdamWConfig {
+                lr: 1e-2,
+                ..Default::default()
+            }),
+        );
+        let sched = acc.prepare_scheduler(
+            LrScheduler::new(
+                Schedule::Cosine {
+                    warmup: 3,
+                    total: TOTAL_STEPS,
+                },
+                1e-2,
+            ),
+            &opt,
+        );
+        let loader = acc.prepare_data_loader(loader);
+        Ok(Self {
+            model,
+            params,
+            opt,
+            sched,
+            loader,
+        })
+    }
+
+    /// Runs micro-batches until `until` optimizer steps have been taken in
+    /// total (`done` counts those already taken); returns each micro-batch's loss.
+    pub fn train(
+        &mut self,
+        acc: &mut Accelerator,
+        mut done: u64,
+        until: u64,
+    ) -> accel_core::Result<Vec<f32>> {
+        let mut losses = vec![];
+        while done < until {
+            for batch in self.loader.iter() {
+                let batch = batch?;
+                let (model, params, opt, sched) =
+                    (&self.model, &self.params, &mut self.opt, &mut self.sched);
+                let loss = acc.accumulate(|acc| {
+                    let loss = model.loss(&batch[0], &batch[1])?;
+                    acc.backward(&loss)?;
+                    if acc.sync_gradients() {
+                        acc.clip_grad_norm(params, 1.0)?;
+                    }
+                    opt.step()?;
+                    sched.step();
+                    opt.zero_grad();
+                    Ok(loss.to_dtype(candle_core::DType::F32)?.to_scalar::<f32>()?)
+                })?;
+                losses.push(loss);
+                if acc.sync_gradients() {
+                    done += 1;
+                    if done >= until {
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(losses)
+    }
+}

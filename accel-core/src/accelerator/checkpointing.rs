@@ -69,7 +69,11 @@ impl Accelerator {
         if !self.is_main_process() {
             return Ok(dir);
         }
-        if self.grad_state.step() % self.gradient_accumulation_steps() as u64 != 0 {
+        if !self
+            .grad_state
+            .step()
+            .is_multiple_of(self.gradient_accumulation_steps() as u64)
+        {
             tracing::warn!("save_state in the middle of an accumulation cycle: accumulated gradients are not saved");
         }
         let tmp = AtomicDir::begin(&dir)?;

@@ -376,7 +376,7 @@ impl Accelerator {
         }
         let names: Vec<&str> = self.config.log_with.iter().map(String::as_str).collect();
         self.trackers =
-            Trackers::from_names(&names, project_name, &self.config.project.logging_dir())?;
+            Trackers::from_names(&names, project_name, self.config.project.logging_dir())?;
         self.trackers.store_init_configuration(config)
     }
 

@@ -69,17 +69,12 @@ impl AdamW {
 impl Optimizer for AdamW {
     fn step(&mut self, params: &[Tensor], grads: &[Tensor], ids: &[usize]) -> Result<()> {
         for (p, &id) in params.iter().zip(ids) {
-            if !self.state.contains_key(&id) {
-                let exp_avg = Tensor::zeros(p.shape(), DType::F32, p.device())?;
-                let exp_avg_sq = Tensor::zeros(p.shape(), DType::F32, p.device())?;
-                self.state.insert(
-                    id,
-                    ParamState {
-                        step: 0,
-                        exp_avg,
-                        exp_avg_sq,
-                    },
-                );
+            if let std::collections::btree_map::Entry::Vacant(e) = self.state.entry(id) {
+                e.insert(ParamState {
+                    step: 0,
+                    exp_avg: Tensor::zeros(p.shape(), DType::F32, p.device())?,
+                    exp_avg_sq: Tensor::zeros(p.shape(), DType::F32, p.device())?,
+                });
             }
         }
         // Parameters normally share one step count; group by it so bias

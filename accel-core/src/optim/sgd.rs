@@ -71,13 +71,13 @@ impl Optimizer for Sgd {
         // PyTorch does for a parameter's first step; later steps use step 2.
         let mut fresh = vec![false; ids.len()];
         for (k, &id) in ids.iter().enumerate() {
-            if !self.momentum.contains_key(&id) {
-                let buf = Tensor::zeros(
-                    params[k].shape(),
+            if let std::collections::btree_map::Entry::Vacant(e) = self.momentum.entry(id) {
+                let p = &params[k];
+                e.insert(Tensor::zeros(
+                    p.shape(),
                     candle_core::DType::F32,
-                    params[k].device(),
-                )?;
-                self.momentum.insert(id, buf);
+                    p.device(),
+                )?);
                 fresh[k] = true;
             }
         }

@@ -1,0 +1,168 @@
+//! Times training steps (forward + backward + `candle_nn::AdamW`) of the
+//! benchmark models on CPU and prints one JSON object per workload.
+//!
+//! `cargo run --release -p accel-examples --example profile_gpt -- [--composed] [--steps N] [--dtype f32|bf16|f16] [--only gpt|mlp]`
+//!
+//! `--composed` switches the GPT from the fused CPU kernels to plain candle
+//! ops, to see what the kernels buy. Each workload reports the mean time of
+//! the forward, backward and optimizer phases so a regression can be pinned
+//! to one of them.
+
+use std::time::Instant;
+
+use accel_examples::{mnist_like, text, Gpt, GptConfig, Mlp};
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+
+struct Args {
+    composed: bool,
+    steps: usize,
+    dtype: DType,
+    only: Option<String>,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut args = Args {
+        composed: false,
+        steps: 10,
+        dtype: DType::F32,
+        only: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--composed" => args.composed = true,
+            "--steps" => args.steps = it.next().unwrap_or_default().parse()?,
+            "--dtype" => {
+                args.dtype = match it.next().as_deref() {
+                    Some("bf16") => DType::BF16,
+                    Some("f16") => DType::F16,
+                    _ => DType::F32,
+                }
+            }
+            "--only" => args.only = it.next(),
+            other => anyhow::bail!("unknown argument {other}"),
+        }
+    }
+    Ok(args)
+}
+
+/// Mean seconds of each phase over the timed steps (after one warm-up step,
+/// which pays for allocations and thread-pool start-up).
+#[derive(Default)]
+struct Phases {
+    fwd: f64,
+    bwd: f64,
+    opt: f64,
+    /// Median of the whole-step times: robust to other processes stealing
+    /// the CPU for part of the run.
+    median_step: f64,
+}
+
+fn time_steps(
+    steps: usize,
+    mut loss_fn: impl FnMut() -> candle_core::Result<Tensor>,
+    opt: &mut AdamW,
+) -> Result<(Phases, f32, f32)> {
+    let mut p = Phases::default();
+    let mut steps_s = Vec::with_capacity(steps);
+    let mut first = f32::NAN;
+    let mut last = f32::NAN;
+    for step in 0..=steps {
+        let t0 = Instant::now();
+        let loss = loss_fn()?;
+        let t1 = Instant::now();
+        let grads = loss.backward()?;
+        let t2 = Instant::now();
+        opt.step(&grads)?;
+        let t3 = Instant::now();
+        last = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        if step == 0 {
+            first = last;
+            continue;
+        }
+        p.fwd += (t1 - t0).as_secs_f64();
+        p.bwd += (t2 - t1).as_secs_f64();
+        p.opt += (t3 - t2).as_secs_f64();
+        steps_s.push((t3 - t0).as_secs_f64());
+    }
+    let n = steps as f64;
+    steps_s.sort_by(f64::total_cmp);
+    let median_step = steps_s[steps_s.len() / 2];
+    Ok((
+        Phases {
+            fwd: p.fwd / n,
+            bwd: p.bwd / n,
+            opt: p.opt / n,
+            median_step,
+        },
+        first,
+        last,
+    ))
+}
+
+fn report(name: &str, p: &Phases, first: f32, last: f32, extra: serde_json::Value) {
+    let total = p.fwd + p.bwd + p.opt;
+    let mut v = serde_json::json!({
+        "workload": name,
+        "steps_per_s": 1.0 / total,
+        "median_steps_per_s": 1.0 / p.median_step,
+        "fwd_ms": p.fwd * 1e3,
+        "bwd_ms": p.bwd * 1e3,
+        "opt_ms": p.opt * 1e3,
+        "first_loss": first,
+        "last_loss": last,
+    });
+    v.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    println!("{v}");
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    let dev = Device::Cpu;
+    let params = ParamsAdamW {
+        lr: 3e-4,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+
+    if args.only.as_deref() != Some("mlp") {
+        let cfg = GptConfig::bench();
+        let (b, t) = (8, cfg.block_size);
+        let map = VarMap::new();
+        let mut gpt = Gpt::new(cfg, VarBuilder::from_varmap(&map, args.dtype, &dev))?;
+        gpt.set_fused_kernels(!args.composed);
+        let tokens = text::synthetic_tokens(b * (t + 1), cfg.vocab_size, 0);
+        let (x, y, n) = text::windows(&tokens, t, t + 1);
+        assert_eq!(n, b);
+        let x = Tensor::from_vec(x, (b, t), &dev)?;
+        let y = Tensor::from_vec(y, (b, t), &dev)?;
+        let mut opt = AdamW::new(map.all_vars(), params.clone())?;
+        let (p, first, last) = time_steps(args.steps, || gpt.loss(&x, &y), &mut opt)?;
+        let extra = serde_json::json!({
+            "batch": b, "block": t, "fused": !args.composed,
+            "dtype": format!("{:?}", args.dtype), "params": cfg.num_params(),
+        });
+        report("gpt_bench", &p, first, last, extra);
+    }
+
+    if args.only.as_deref() != Some("gpt") {
+        let batch = 64;
+        let map = VarMap::new();
+        let mlp = Mlp::new(
+            &[784, 512, 512, 10],
+            VarBuilder::from_varmap(&map, args.dtype, &dev),
+        )?;
+        let (x, y) = mnist_like::synthetic_classification(batch, 784, 10, 0);
+        let x = Tensor::from_vec(x, (batch, 784), &dev)?.to_dtype(args.dtype)?;
+        let y = Tensor::from_vec(y, batch, &dev)?;
+        let mut opt = AdamW::new(map.all_vars(), params)?;
+        let (p, first, last) = time_steps(args.steps * 10, || mlp.loss(&x, &y), &mut opt)?;
+        let extra = serde_json::json!({ "batch": batch, "dtype": format!("{:?}", args.dtype) });
+        report("mlp_784_512_512_10", &p, first, last, extra);
+    }
+    Ok(())
+}

@@ -1,0 +1,374 @@
+//! A GPT-2 style decoder-only transformer, used by the char-level demo and
+//! by the GPT training benchmark.
+//!
+//! Parameter names follow Hugging Face's `GPT2Model` (`wte.weight`,
+//! `h.0.attn.c_attn.weight`, `ln_f.bias`, ...) so checkpoints are easy to
+//! compare with the PyTorch reference, but weights use the `[out, in]`
+//! layout of `nn.Linear` (GPT-2's `Conv1D` stores `[in, out]`).
+//!
+//! On CPU the hot spots run as fused kernels with hand-written backward
+//! passes (crate-private module `kernels`): layer norm, every linear layer
+//! together with its bias and GELU, the whole causal attention from the
+//! fused `qkv` projection to the merged heads, and the tied `lm_head`
+//! together with the cross entropy. On other devices, or after
+//! [`Gpt::set_fused_kernels(false)`](Gpt::set_fused_kernels), the same maths
+//! is composed from stock candle ops. Both paths support training and
+//! agree to float rounding (see the tests).
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use candle_nn::{Init, VarBuilder};
+
+use crate::kernels::{self, Activation};
+use crate::nn::{dense, layer_norm, matmul};
+use accel_core::rng::SplitMix64;
+
+/// Layer-norm epsilon of GPT-2.
+const LN_EPS: f64 = 1e-5;
+
+/// Standard deviation of GPT-2's weight initialisation.
+const INIT_STD: f64 = 0.02;
+
+/// Shape of a [`Gpt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptConfig {
+    /// Number of distinct tokens.
+    pub vocab_size: usize,
+    /// Width of the residual stream (`d_model`).
+    pub n_embd: usize,
+    /// Number of transformer blocks.
+    pub n_layer: usize,
+    /// Number of attention heads; must divide `n_embd`.
+    pub n_head: usize,
+    /// Longest context the model can see (size of the position table).
+    pub block_size: usize,
+}
+
+impl GptConfig {
+    /// The benchmark model: vocabulary 4096, width 256, 4 layers, 4 heads,
+    /// context 128 (about 4.2M parameters).
+    pub fn bench() -> Self {
+        Self {
+            vocab_size: 4096,
+            n_embd: 256,
+            n_layer: 4,
+            n_head: 4,
+            block_size: 128,
+        }
+    }
+
+    /// The character-level demo model for a tokenizer of `vocab_size`
+    /// characters: width 128, 4 layers, 4 heads, context 64. Small enough to
+    /// learn visible structure from [`crate::text::CORPUS`] in minutes on CPU.
+    pub fn char_small(vocab_size: usize) -> Self {
+        Self {
+            vocab_size,
+            n_embd: 128,
+            n_layer: 4,
+            n_head: 4,
+            block_size: 64,
+        }
+    }
+
+    /// Width of one attention head.
+    pub fn head_dim(&self) -> usize {
+        self.n_embd / self.n_head
+    }
+
+    /// Number of scalar parameters (the tied `lm_head` counted once).
+    pub fn num_params(&self) -> usize {
+        let d = self.n_embd;
+        let block =
+            4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d);
+        self.vocab_size * d + self.block_size * d + self.n_layer * block + 2 * d
+    }
+}
+
+/// Weights of one pre-LayerNorm transformer block.
+#[derive(Debug, Clone)]
+struct Block {
+    ln_1: (Tensor, Tensor),
+    c_attn: (Tensor, Tensor),
+    attn_proj: (Tensor, Tensor),
+    ln_2: (Tensor, Tensor),
+    c_fc: (Tensor, Tensor),
+    mlp_proj: (Tensor, Tensor),
+}
+
+/// Creates `[out, in]` weight and `[out]` bias under `vb` with GPT-2's init.
+fn linear_params(vb: &VarBuilder, inp: usize, out: usize, std: f64) -> Result<(Tensor, Tensor)> {
+    let w = vb.get_with_hints(
+        (out, inp),
+        "weight",
+        Init::Randn {
+            mean: 0.0,
+            stdev: std,
+        },
+    )?;
+    let b = vb.get_with_hints(out, "bias", Init::Const(0.0))?;
+    Ok((w, b))
+}
+
+/// Creates layer-norm scale (ones) and shift (zeros) of width `d` under `vb`.
+fn ln_params(vb: &VarBuilder, d: usize) -> Result<(Tensor, Tensor)> {
+    let w = vb.get_with_hints(d, "weight", Init::Const(1.0))?;
+    let b = vb.get_with_hints(d, "bias", Init::Const(0.0))?;
+    Ok((w, b))
+}
+
+impl Block {
+    fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
+        let d = cfg.n_embd;
+        // GPT-2 scales the projections that write into the residual stream
+        // by 1/sqrt(2 * n_layer) so its variance does not grow with depth.
+        let proj_std = INIT_STD / ((2 * cfg.n_layer) as f64).sqrt();
+        Ok(Self {
+            ln_1: ln_params(&vb.pp("ln_1"), d)?,
+            c_attn: linear_params(&vb.pp("attn").pp("c_attn"), d, 3 * d, INIT_STD)?,
+            attn_proj: linear_params(&vb.pp("attn").pp("c_proj"), d, d, proj_std)?,
+            ln_2: ln_params(&vb.pp("ln_2"), d)?,
+            c_fc: linear_params(&vb.pp("mlp").pp("c_fc"), d, 4 * d, INIT_STD)?,
+            mlp_proj: linear_params(&vb.pp("mlp").pp("c_proj"), 4 * d, d, proj_std)?,
+        })
+    }
+}
+
+/// GPT-2 style decoder: token + learned position embeddings, `n_layer`
+/// pre-LayerNorm blocks (causal multi-head self-attention, then a 4x MLP
+/// with tanh-approximated GELU), a final LayerNorm and an `lm_head` tied to
+/// the token embedding.
+#[derive(Debug, Clone)]
+pub struct Gpt {
+    cfg: GptConfig,
+    wte: Tensor,
+    wpe: Tensor,
+    blocks: Vec<Block>,
+    ln_f: (Tensor, Tensor),
+    /// Additive causal mask `[block_size, block_size]` (0 on and below the
+    /// diagonal, -inf above) for the composed path, built once here and
+    /// sliced per sequence length instead of rebuilt every forward.
+    mask: Tensor,
+    fused: bool,
+}
+
+impl Gpt {
+    /// Creates the parameters under `vb` with GPT-2's initialisation, in the
+    /// VarBuilder's dtype (f32, f16 or bf16; all activations use it too).
+    pub fn new(cfg: GptConfig, vb: VarBuilder) -> Result<Self> {
+        if cfg.n_embd.checked_rem(cfg.n_head) != Some(0) {
+            candle_core::bail!(
+                "n_embd {} is not a multiple of n_head {}",
+                cfg.n_embd,
+                cfg.n_head
+            )
+        }
+        let d = cfg.n_embd;
+        let emb = Init::Randn {
+            mean: 0.0,
+            stdev: INIT_STD,
+        };
+        let wte = vb.get_with_hints((cfg.vocab_size, d), "wte.weight", emb)?;
+        let wpe = vb.get_with_hints((cfg.block_size, d), "wpe.weight", emb)?;
+        let blocks = (0..cfg.n_layer)
+            .map(|i| Block::new(&cfg, vb.pp("h").pp(i)))
+            .collect::<Result<_>>()?;
+        let ln_f = ln_params(&vb.pp("ln_f"), d)?;
+        let mask = causal_mask(cfg.block_size, vb.dtype(), vb.device())?;
+        Ok(Self {
+            cfg,
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            mask,
+            fused: vb.device().is_cpu(),
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// Chooses between the fused CPU kernels (the default on CPU) and the
+    /// composed candle ops (the only choice elsewhere; asking for fused
+    /// kernels on another device is ignored). Useful to check one against
+    /// the other.
+    pub fn set_fused_kernels(&mut self, fused: bool) {
+        self.fused = fused && self.wte.device().is_cpu();
+    }
+
+    /// Logits `[B, T, vocab_size]` for token ids `idx [B, T]` (u32), with
+    /// `T <= block_size`.
+    pub fn forward(&self, idx: &Tensor) -> Result<Tensor> {
+        let (b, t) = idx.dims2()?;
+        self.logits_2d(idx)?.reshape((b, t, self.cfg.vocab_size))
+    }
+
+    /// Mean next-token cross entropy of the logits for `idx [B, T]` against
+    /// `targets [B, T]` (u32), over all `B * T` positions, computed in f32.
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let x = self.hidden(idx)?;
+        let targets = targets.flatten_all()?;
+        if self.fused {
+            // lm_head and cross entropy in one op: the [B*T, vocab] logits
+            // never enter the autograd graph.
+            kernels::linear_cross_entropy(&x, &self.wte, &targets)
+        } else {
+            let logits = dense(&x, &self.wte, None, Activation::None, false)?;
+            crate::nn::cross_entropy(&logits, &targets)
+        }
+    }
+
+    /// Continues `prompt` by `max_new_tokens` tokens and returns prompt and
+    /// continuation together. Each step feeds the last `block_size` tokens
+    /// (no KV cache: the demo model is small and clarity wins). With
+    /// `temperature <= 0` it picks the most likely token, otherwise it
+    /// samples from `softmax(logits / temperature)` using `rng`.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        temperature: f64,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            candle_core::bail!("generate needs a non-empty prompt")
+        }
+        let dev = self.wte.device();
+        let mut tokens = prompt.to_vec();
+        for _ in 0..max_new_tokens {
+            let ctx = &tokens[tokens.len().saturating_sub(self.cfg.block_size)..];
+            let idx = Tensor::new(ctx, dev)?.unsqueeze(0)?;
+            let logits = self.logits_2d(&idx)?.get(ctx.len() - 1)?;
+            let logits: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
+            tokens.push(sample(&logits, temperature, rng));
+        }
+        Ok(tokens)
+    }
+
+    /// Logits flattened to `[B * T, vocab_size]`.
+    fn logits_2d(&self, idx: &Tensor) -> Result<Tensor> {
+        // Tied lm_head: the very tensor of the token embedding.
+        dense(
+            &self.hidden(idx)?,
+            &self.wte,
+            None,
+            Activation::None,
+            self.fused,
+        )
+    }
+
+    /// The final hidden states `[B * T, n_embd]` (after `ln_f`).
+    fn hidden(&self, idx: &Tensor) -> Result<Tensor> {
+        let (b, t) = idx.dims2()?;
+        if t > self.cfg.block_size {
+            candle_core::bail!(
+                "sequence length {t} exceeds block_size {}",
+                self.cfg.block_size
+            )
+        }
+        let d = self.cfg.n_embd;
+        let tok = self.wte.index_select(&idx.flatten_all()?, 0)?;
+        let pos = self.wpe.narrow(0, 0, t)?;
+        let mut x = tok
+            .reshape((b, t, d))?
+            .broadcast_add(&pos)?
+            .reshape((b * t, d))?;
+        for block in &self.blocks {
+            x = self.block_forward(block, &x, b, t)?;
+        }
+        self.ln(&x, &self.ln_f)
+    }
+
+    fn dense(&self, x: &Tensor, (w, b): &(Tensor, Tensor), act: Activation) -> Result<Tensor> {
+        dense(x, w, Some(b), act, self.fused)
+    }
+
+    fn ln(&self, x: &Tensor, (w, b): &(Tensor, Tensor)) -> Result<Tensor> {
+        if self.fused {
+            kernels::layer_norm(x, w, b, LN_EPS)
+        } else {
+            layer_norm(x, w, b, LN_EPS)
+        }
+    }
+
+    /// One block on the residual stream `x [B * T, d]`.
+    fn block_forward(&self, blk: &Block, x: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+        let h = self.ln(x, &blk.ln_1)?;
+        let a = self.attention(blk, &h, b, t)?;
+        let x = (x + a)?;
+        let h = self.ln(&x, &blk.ln_2)?;
+        let h = self.dense(&h, &blk.c_fc, Activation::Gelu)?;
+        let h = self.dense(&h, &blk.mlp_proj, Activation::None)?;
+        x + h
+    }
+
+    /// Causal multi-head self-attention of `h [B * T, d]`.
+    fn attention(&self, blk: &Block, h: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+        let (d, nh) = (self.cfg.n_embd, self.cfg.n_head);
+        let hd = d / nh;
+        // One projection for q, k and v together: one gemm instead of three.
+        let qkv = self.dense(h, &blk.c_attn, Activation::None)?;
+        let y = if self.fused {
+            kernels::causal_attention(&qkv, b, t, nh)?
+        } else {
+            // Split heads with a single copy, [B, T, 3, H, hd] ->
+            // [3, B, H, T, hd], so q, k and v are contiguous slices that gemm
+            // takes without further copies.
+            let qkv = qkv
+                .reshape((b, t, 3, nh, hd))?
+                .permute((2, 0, 3, 1, 4))?
+                .contiguous()?;
+            let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
+            let scale = 1.0 / (hd as f64).sqrt();
+            let att = (matmul(&q, &k.t()?)? * scale)?;
+            let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+            let att = candle_nn::ops::softmax(&att.broadcast_add(&mask)?, D::Minus1)?;
+            // [B, H, T, hd] -> [B, T, H, hd] -> [B * T, d]
+            matmul(&att, &v)?
+                .transpose(1, 2)?
+                .contiguous()?
+                .reshape((b * t, d))?
+        };
+        self.dense(&y, &blk.attn_proj, Activation::None)
+    }
+}
+
+/// Index of the largest logit, or a draw from the tempered softmax.
+fn sample(logits: &[f32], temperature: f64, rng: &mut SplitMix64) -> u32 {
+    let argmax = logits
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map_or(0, |(i, _)| i);
+    if temperature <= 0.0 {
+        return argmax as u32;
+    }
+    let max = logits[argmax] as f64;
+    let weights: Vec<f64> = logits
+        .iter()
+        .map(|&l| ((l as f64 - max) / temperature).exp())
+        .collect();
+    let mut u = rng.next_f64() * weights.iter().sum::<f64>();
+    for (i, w) in weights.iter().enumerate() {
+        u -= w;
+        if u < 0.0 {
+            return i as u32;
+        }
+    }
+    // Rounding can leave a sliver of mass unassigned; give it to the mode.
+    argmax as u32
+}
+
+/// `[n, n]` additive mask: 0 where key <= query, -inf where the key lies in
+/// the future, so `softmax(att + mask)` gives future keys zero weight.
+fn causal_mask(n: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
+    let data: Vec<f32> = (0..n)
+        .flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Tensor::from_vec(data, (n, n), dev)?.to_dtype(dtype)
+}
+
+#[cfg(test)]
+#[path = "gpt_tests.rs"]
+mod tests;

@@ -1,0 +1,24 @@
+//! Models and data shared by the accel-rs examples, integration tests and
+//! benchmarks.
+//!
+//! * [`mlp::Mlp`] and [`mnist_like::synthetic_classification`]: the MLP
+//!   classifier workload.
+//! * [`gpt::Gpt`] with [`text::CORPUS`], [`text::CharTokenizer`] and
+//!   [`text::synthetic_tokens`]: the GPT language-model workload.
+//!
+//! Everything is deterministic given a seed and needs no download, so that
+//! the same batches can be replayed against the PyTorch reference.
+#![warn(missing_docs)]
+
+pub mod gpt;
+mod kernels;
+pub mod mlp;
+pub mod mnist_like;
+mod nn;
+
+pub mod text;
+
+pub use accel_core::rng::SplitMix64;
+pub use gpt::{Gpt, GptConfig};
+pub use mlp::Mlp;
+pub use text::CharTokenizer;

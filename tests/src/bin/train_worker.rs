@@ -1,0 +1,85 @@
+//! A training process driven by the integration tests: trains the tiny job,
+//! optionally saving or resuming, and prints its losses and final weights as
+//! JSON so a test can compare runs bit for bit.
+
+use std::path::PathBuf;
+
+use accel_core::{Accelerator, AcceleratorConfig, PrecisionType, ProjectConfiguration};
+use accel_tests::TinyJob;
+use anyhow::Result;
+use clap::Parser;
+
+#[derive(Parser)]
+struct Args {
+    /// Run folder (automatic checkpoint naming under it).
+    #[arg(long)]
+    dir: PathBuf,
+    /// Optimizer steps to reach.
+    #[arg(long)]
+    steps: u64,
+    /// Resume from the newest checkpoint first.
+    #[arg(long)]
+    resume: bool,
+    /// Save the state when done.
+    #[arg(long)]
+    save: bool,
+    /// Save after every optimizer step, forever (for the kill test).
+    #[arg(long)]
+    save_forever: bool,
+    /// Precision mode.
+    #[arg(long, default_value = "no")]
+    mixed_precision: PrecisionType,
+    /// Micro-batches per step.
+    #[arg(long, default_value_t = 2)]
+    accumulation: usize,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let project = ProjectConfiguration::automatic(&args.dir).with_total_limit(3);
+    let mut acc = Accelerator::new(
+        AcceleratorConfig::default()
+            .with_seed(5)
+            .with_mixed_precision(args.mixed_precision)
+            .with_gradient_accumulation_steps(args.accumulation)
+            .with_project(project),
+    )?;
+    let mut job = TinyJob::new(&mut acc, 600)?;
+    let mut done = 0;
+    if args.resume {
+        acc.load_state(None)?;
+        done = job.sched.scheduler().last_epoch;
+    }
+    if args.save_forever {
+        loop {
+            job.train(&mut acc, done, done + 1)?;
+            done += 1;
+            acc.save_state(None)?;
+            println!("saved {done}");
+        }
+    }
+    let losses = job.train(&mut acc, done, args.steps)?;
+    if args.save {
+        acc.save_state(None)?;
+    }
+    let weights: serde_json::Map<String, serde_json::Value> = job
+        .params
+        .master_weights()
+        .into_iter()
+        .map(|(n, t)| {
+            let bits: Vec<u32> = t
+                .flatten_all()?
+                .to_vec1::<f32>()?
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
+            Ok((n, serde_json::json!(bits)))
+        })
+        .collect::<Result<_>>()?;
+    let losses: Vec<u32> = losses.iter().map(|x| x.to_bits()).collect();
+    println!(
+        "{}",
+        serde_json::json!({ "losses": losses, "weights": weights, "position": job.loader.position().batch, "epoch": job.loader.epoch() })
+    );
+    Ok(())
+}
