@@ -28,35 +28,60 @@ fn weights(m: &accel_core::PreparedModel) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// An fp16 Accelerator; `init_scale` replaces PyTorch's 65536 when given.
+fn fp16(init_scale: Option<f64>) -> Accelerator {
+    let mut config = AcceleratorConfig::default()
+        .with_seed(1)
+        .with_mixed_precision(PrecisionType::Fp16);
+    if let Some(init_scale) = init_scale {
+        config = config.with_scaler(GradScalerConfig {
+            init_scale,
+            ..Default::default()
+        });
+    }
+    acc(config)
+}
+
+/// One f16 input row.
+fn f16_row(values: &[f32]) -> Tensor {
+    Tensor::new(values, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap()
+}
+
+/// Back-propagates `sum(lin(x))` in f32, so d loss / d weight = x.
+fn backward_sum(a: &mut Accelerator, lin: &candle_nn::Linear, x: &Tensor) {
+    let loss = lin
+        .forward(x)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    a.backward(&loss).unwrap();
+}
+
+fn sgd(lr: f64) -> Sgd {
+    Sgd::new(SgdConfig {
+        lr,
+        ..Default::default()
+    })
+}
+
 #[test]
 fn fp16_step_with_inf_or_nan_gradients_is_skipped_and_backs_off_the_scale() {
     for bad in [f32::INFINITY, f32::NAN] {
         // A scale small enough that only the injected value can overflow.
-        let scaler = GradScalerConfig {
-            init_scale: 1024.0,
-            ..Default::default()
-        };
-        let mut a = acc(AcceleratorConfig::default()
-            .with_seed(1)
-            .with_mixed_precision(PrecisionType::Fp16)
-            .with_scaler(scaler));
+        let mut a = fp16(Some(1024.0));
         let vm = VarMap::new();
         let lin = candle_nn::linear(3, 1, a.var_builder(&vm)).unwrap();
         let model = a.prepare_model(&vm).unwrap();
         let mut opt = a.prepare_optimizer(&model, AdamW::new(AdamWConfig::default()));
         let before = weights(&model);
-        let x = Tensor::new(&[[1f32, bad, 2.0]], &Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F16)
-            .unwrap();
-        let loss = lin
-            .forward(&x)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .sum_all()
-            .unwrap();
-        a.backward(&loss).unwrap();
+        backward_sum(&mut a, &lin, &f16_row(&[1.0, bad, 2.0]));
         opt.step().unwrap();
         opt.zero_grad();
         assert!(opt.step_was_skipped(), "{bad}: step not skipped");
@@ -64,18 +89,7 @@ fn fp16_step_with_inf_or_nan_gradients_is_skipped_and_backs_off_the_scale() {
         assert_eq!(a.loss_scale(), Some(512.0));
 
         // A finite step afterwards goes through at the reduced scale.
-        let x = Tensor::new(&[[1f32, 0.5, 2.0]], &Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F16)
-            .unwrap();
-        let loss = lin
-            .forward(&x)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .sum_all()
-            .unwrap();
-        a.backward(&loss).unwrap();
+        backward_sum(&mut a, &lin, &f16_row(&[1.0, 0.5, 2.0]));
         opt.step().unwrap();
         assert!(!opt.step_was_skipped());
         assert_ne!(weights(&model), before);
@@ -86,32 +100,13 @@ fn fp16_step_with_inf_or_nan_gradients_is_skipped_and_backs_off_the_scale() {
 #[test]
 fn fp16_first_step_at_the_default_scale_overflows_and_backs_off_as_in_pytorch() {
     // The output gradient of a sum is 1; times 65536 it exceeds f16's max (65504).
-    let mut a = acc(AcceleratorConfig::default()
-        .with_seed(1)
-        .with_mixed_precision(PrecisionType::Fp16));
+    let mut a = fp16(None);
     let vm = VarMap::new();
     let lin = candle_nn::linear_no_bias(2, 1, a.var_builder(&vm)).unwrap();
     let model = a.prepare_model(&vm).unwrap();
-    let mut opt = a.prepare_optimizer(
-        &model,
-        Sgd::new(SgdConfig {
-            lr: 1.0,
-            ..Default::default()
-        }),
-    );
-    let x = Tensor::new(&[[0.25f32, -0.5]], &Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F16)
-        .unwrap();
+    let mut opt = a.prepare_optimizer(&model, sgd(1.0));
     for (expect_skip, scale_after) in [(true, 32768.0), (false, 32768.0)] {
-        let loss = lin
-            .forward(&x)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .sum_all()
-            .unwrap();
-        a.backward(&loss).unwrap();
+        backward_sum(&mut a, &lin, &f16_row(&[0.25, -0.5]));
         opt.step().unwrap();
         opt.zero_grad();
         assert_eq!(opt.step_was_skipped(), expect_skip);
@@ -122,51 +117,24 @@ fn fp16_first_step_at_the_default_scale_overflows_and_backs_off_as_in_pytorch() 
 #[test]
 fn fp16_gradients_are_unscaled_before_the_step() {
     // SGD lr=1: w_new = w - grad, so the update shows the unscaled gradient exactly.
-    let scaler = GradScalerConfig {
-        init_scale: 1024.0,
-        ..Default::default()
-    };
-    let mut a = acc(AcceleratorConfig::default()
-        .with_seed(1)
-        .with_mixed_precision(PrecisionType::Fp16)
-        .with_scaler(scaler));
+    let mut a = fp16(Some(1024.0));
     let vm = VarMap::new();
     let lin = candle_nn::linear_no_bias(2, 1, a.var_builder(&vm)).unwrap();
     let model = a.prepare_model(&vm).unwrap();
-    let mut opt = a.prepare_optimizer(
-        &model,
-        Sgd::new(SgdConfig {
-            lr: 1.0,
-            ..Default::default()
-        }),
-    );
-    let w0 = model.master_weights()[0]
-        .1
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    let x = Tensor::new(&[[0.25f32, -0.5]], &Device::Cpu)
-        .unwrap()
-        .to_dtype(DType::F16)
-        .unwrap();
-    let loss = lin
-        .forward(&x)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .sum_all()
-        .unwrap();
-    a.backward(&loss).unwrap();
+    let mut opt = a.prepare_optimizer(&model, sgd(1.0));
+    let flat = |m: &accel_core::PreparedModel| {
+        m.master_weights()[0]
+            .1
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let w0 = flat(&model);
+    backward_sum(&mut a, &lin, &f16_row(&[0.25, -0.5]));
     opt.step().unwrap();
     assert!(!opt.step_was_skipped());
-    let w1 = model.master_weights()[0]
-        .1
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap();
-    assert_eq!(w1, vec![w0[0] - 0.25, w0[1] + 0.5]);
+    assert_eq!(flat(&model), vec![w0[0] - 0.25, w0[1] + 0.5]);
 }
 
 #[test]
@@ -233,13 +201,7 @@ fn two_accumulated_micro_batches_equal_one_double_batch() {
         let vm = VarMap::new();
         let lin = candle_nn::linear(4, 2, a.var_builder(&vm)).unwrap();
         let model = a.prepare_model(&vm).unwrap();
-        let mut opt = a.prepare_optimizer(
-            &model,
-            Sgd::new(SgdConfig {
-                lr: 0.1,
-                ..Default::default()
-            }),
-        );
+        let mut opt = a.prepare_optimizer(&model, sgd(0.1));
         for c in 0..chunks {
             let xb = x.narrow(0, c * 8 / chunks, 8 / chunks).unwrap();
             a.accumulate(|a| {

@@ -1,0 +1,170 @@
+//! The one error type of accel-bigmodel.
+
+/// Everything that can go wrong while describing a model or planning where it goes.
+///
+/// Where Accelerate raises for the same input, the message says what Accelerate
+/// says (and, for Python-level failures such as `KeyError`, which exception it
+/// raises), so a user porting a script recognises the failure.
+#[derive(thiserror::Error)]
+pub enum Error {
+    // === model trees ===
+    /// A model-tree description (spec JSON) is malformed.
+    #[error("model tree: {field}: {reason}")]
+    InvalidSpec {
+        /// The JSON field at fault, e.g. `parameters[3].shape`.
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A module or tensor name is registered twice, or used for both a module and a tensor.
+    #[error("model tree: name {name:?} is already registered")]
+    DuplicateName {
+        /// The name at fault.
+        name: String,
+    },
+
+    /// A module that the tree does not have: the parent of a new tensor or module, or a lookup.
+    #[error("model tree: module {module:?} (needed for {name:?}) is not in the tree")]
+    UnknownModule {
+        /// The tensor or module being added, or the operation that looked the module up.
+        name: String,
+        /// The missing parent module.
+        module: String,
+    },
+
+    /// A name that should be a parameter of the tree is not.
+    #[error("{op}: {name:?} is not a parameter of the model")]
+    UnknownParameter {
+        /// The operation that looked the name up.
+        op: &'static str,
+        /// The name at fault.
+        name: String,
+    },
+
+    /// Parameters declared as tied (one storage) differ in shape or dtype.
+    #[error("tie: {first:?} and {other:?} cannot share storage: {reason}")]
+    TiedMismatch {
+        /// The first parameter of the group.
+        first: String,
+        /// The parameter that differs from it.
+        other: String,
+        /// Shapes or dtypes, as found.
+        reason: String,
+    },
+
+    /// A dtype name that torch does not have (`getattr(torch, name)` fails in Accelerate).
+    #[error("dtype {dtype:?}: module 'torch' has no attribute '{dtype}'")]
+    UnknownDtype {
+        /// The name as given.
+        dtype: String,
+    },
+
+    /// A candle or safetensors dtype with no torch counterpart.
+    #[error("dtype {dtype}: no torch dtype has this layout")]
+    NoTorchDtype {
+        /// The dtype as the source library prints it.
+        dtype: String,
+    },
+
+    // === memory budgets ===
+    /// A memory size string that `convert_file_size_to_int` rejects.
+    #[error(
+        "`size` {size} is not in a valid format. Use an integer for bytes, or a string with an unit (like '5.0GB')."
+    )]
+    InvalidSize {
+        /// The size string as given.
+        size: String,
+    },
+
+    /// A size string whose number is infinite (`"infGB"`, `"1e400KB"`); Accelerate
+    /// lets Python's `OverflowError` through instead of its own message.
+    #[error("`size` {size}: OverflowError: cannot convert float infinity to integer")]
+    SizeOverflow {
+        /// The size string as given.
+        size: String,
+    },
+
+    /// A `max_memory` key that is neither a GPU ordinal nor `cpu`/`disk`.
+    #[error("Device {device} is not recognized, available devices are integers(for GPU/XPU), 'mps', 'cpu' and 'disk'")]
+    UnrecognizedDevice {
+        /// The key as given.
+        device: String,
+    },
+
+    /// A device key that `torch.device` rejects; `get_balanced_memory` resolves
+    /// every non-integer key through it, so a `disk` key makes Accelerate raise.
+    #[error("{op}: RuntimeError: Expected one of cpu, cuda, ipu, xpu, mkldnn, opengl, opencl, ideep, hip, ve, fpga, maia, xla, lazy, vulkan, mps, meta, hpu, mtia, privateuseone device type at start of device string: {device}")]
+    NotATorchDevice {
+        /// The operation that resolved the key.
+        op: &'static str,
+        /// The key at fault.
+        device: String,
+    },
+
+    /// An operation indexes GPUs `0..n` of `max_memory` and one is missing (a `KeyError` in Accelerate).
+    #[error("{op}: KeyError: {gpu} (max_memory has no GPU {gpu}; {reason})")]
+    MissingGpu {
+        /// The operation at fault.
+        op: &'static str,
+        /// The GPU ordinal it looked for.
+        gpu: usize,
+        /// Why the operation needs it.
+        reason: &'static str,
+    },
+
+    // === device-map planning ===
+    /// A tied parameter lies in no module still waiting to be placed, so Accelerate's
+    /// lookup of its module fails with `IndexError: list index out of range`.
+    #[error("{op}: IndexError: list index out of range (tied parameter {param:?} is not inside any module left to place)")]
+    TiedParameterNotQueued {
+        /// The planner step at fault.
+        op: &'static str,
+        /// The tied parameter whose module was not found.
+        param: String,
+    },
+
+    /// The fallback search got a fractional size limit; Accelerate passes it to
+    /// `convert_file_size_to_int`, which raises `AttributeError` on a float.
+    #[error("fallback_allocate: AttributeError: 'float' object has no attribute 'upper' (size limit {limit} is fractional)")]
+    FractionalSizeLimit {
+        /// The limit, as Python prints it.
+        limit: String,
+    },
+
+    // === device maps ===
+    /// A device-map value that is neither a GPU ordinal nor `cpu`/`disk`.
+    #[error(
+        "device map: {value} is not a placement (expected a GPU ordinal, \"cpu\" or \"disk\")"
+    )]
+    InvalidPlacement {
+        /// The value as given.
+        value: String,
+    },
+
+    /// Reading or writing JSON failed.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
+
+// Debug prints the same text as Display (as candle does), so `?` in tests and
+// `unwrap()` show a readable message instead of a struct dump.
+impl std::fmt::Debug for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+/// The result type of accel-bigmodel.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Returns early with an [`Error::InvalidSpec`] built from a field and a formatted reason.
+macro_rules! bail_spec {
+    ($field:expr, $($arg:tt)*) => {
+        return Err($crate::Error::InvalidSpec {
+            field: ($field).to_string(),
+            reason: format!($($arg)*),
+        })
+    };
+}
+pub(crate) use bail_spec;
