@@ -25,7 +25,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 #[command(about = "Train a character-level GPT on the embedded corpus")]
 struct Args {
     /// Optimizer steps to run.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 600)]
     steps: u64,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 16)]
