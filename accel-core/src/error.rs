@@ -18,6 +18,9 @@ pub enum Error {
     /// A collective or launcher error.
     #[error(transparent)]
     Dist(#[from] accel_dist::Error),
+    /// A planning, loading or offload error.
+    #[error(transparent)]
+    Bigmodel(#[from] accel_bigmodel::Error),
 
     // === files and formats ===
     /// Reading or writing a file failed.

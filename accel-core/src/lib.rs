@@ -11,6 +11,7 @@ pub use error::{Error, Result};
 mod accelerator;
 pub mod accumulation;
 pub mod checkpoint;
+pub mod cli;
 pub mod data;
 mod init;
 pub mod model;

@@ -1,0 +1,108 @@
+//! `accel device-map`: plan a device map from a model tree and a memory budget.
+
+use std::path::PathBuf;
+
+use accel_bigmodel::{
+    compute_module_sizes, get_max_layer_size, infer_auto_device_map, DTypeName, MemorySize,
+    ModuleTree, Placement, PlanOptions, SpecialDtypes,
+};
+use serde_json::json;
+
+use crate::{Error, Result};
+
+/// Flags of `accel device-map`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DeviceMapArgs {
+    /// Model tree JSON (the format of shared/spec/device_map_cases.md: an object
+    /// with `modules`, `parameters`, `buffers`, `tied`, or a case holding one under `model_tree`).
+    #[arg(long)]
+    pub model_tree: PathBuf,
+    /// Budget per device, e.g. `0=10GiB,1=10GiB,cpu=64GB,disk=1TB` (GPU ordinals, `cpu`, `disk`).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub max_memory: Vec<String>,
+    /// Module classes that must stay on one device (repeatable).
+    #[arg(long = "no-split")]
+    pub no_split: Vec<String>,
+    /// Size floating-point weights as this torch dtype (e.g. `float16`).
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// `NAME=DTYPE` for a parameter kept in another dtype (repeatable).
+    #[arg(long = "special-dtype")]
+    pub special_dtype: Vec<String>,
+    /// Let buffers of offloaded modules go to the CPU too.
+    #[arg(long)]
+    pub offload_buffers: bool,
+    /// Try smaller modules when the next one does not fit a GPU.
+    #[arg(long)]
+    pub fallback_allocation: bool,
+    /// Keep every module in the map instead of merging children placed alike.
+    #[arg(long)]
+    pub no_clean: bool,
+}
+
+fn config_err(key: &str, reason: impl std::fmt::Display) -> Error {
+    Error::Config {
+        key: key.into(),
+        reason: reason.to_string(),
+    }
+}
+
+/// Parses `KEY=VALUE` pairs of `--max-memory`; a value of digits is bytes.
+fn parse_max_memory(items: &[String]) -> Result<Vec<(Placement, MemorySize)>> {
+    items
+        .iter()
+        .map(|item| {
+            let (k, v) = item.split_once('=').ok_or_else(|| {
+                config_err("--max-memory", format!("{item:?} is not DEVICE=SIZE"))
+            })?;
+            let placement = Placement::parse_key(k.trim())?;
+            let v = v.trim();
+            let size = match v.parse::<i64>() {
+                Ok(n) => MemorySize::from(n),
+                Err(_) => MemorySize::from(v),
+            };
+            Ok((placement, size))
+        })
+        .collect()
+}
+
+/// Runs the plan and returns `{"module_sizes", "max_layer", "device_map", "warnings", "logs"}`.
+pub fn device_map(args: &DeviceMapArgs) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(&args.model_tree)
+        .map_err(|e| Error::io("reading", &args.model_tree, e))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: args.model_tree.clone(),
+        reason: e.to_string(),
+    })?;
+    let tree_json = value.get("model_tree").unwrap_or(&value);
+    let tree = ModuleTree::from_spec_json(tree_json).map_err(|e| Error::Json {
+        path: args.model_tree.clone(),
+        reason: e.to_string(),
+    })?;
+    let dtype = args.dtype.as_deref().map(DTypeName::parse).transpose()?;
+    let mut special = SpecialDtypes::new();
+    for item in &args.special_dtype {
+        let (name, d) = item
+            .split_once('=')
+            .ok_or_else(|| config_err("--special-dtype", format!("{item:?} is not NAME=DTYPE")))?;
+        special.insert(name.to_string(), DTypeName::parse(d)?);
+    }
+    let special = (!special.is_empty()).then_some(special);
+    let options = PlanOptions::new(parse_max_memory(&args.max_memory)?)
+        .with_no_split_module_classes(args.no_split.clone())
+        .with_dtype(dtype)
+        .with_special_dtypes(special.clone())
+        .with_offload_buffers(args.offload_buffers)
+        .with_fallback_allocation(args.fallback_allocation)
+        .with_clean_result(!args.no_clean);
+    let sizes = compute_module_sizes(&tree, dtype, special.as_ref());
+    let max_layer = get_max_layer_size(&tree, &tree.root_items(), &sizes, &args.no_split);
+    let plan = infer_auto_device_map(&tree, &options)?;
+    Ok(json!({
+        "module_sizes": sizes,
+        "max_layer": { "size": max_layer.size, "names": max_layer.names },
+        "device_map": plan.device_map,
+        "warnings": plan.warnings,
+        "logs": plan.logs,
+    }))
+}

@@ -1,0 +1,28 @@
+//! The `accel` command line: argument structs (one per subcommand, 1:1 with
+//! the flags) and the pure functions each subcommand runs.
+
+mod device_map_cmd;
+
+pub use device_map_cmd::{device_map, DeviceMapArgs};
+
+use clap::{Parser, Subcommand};
+
+/// `accel`: run and plan accel-rs jobs.
+#[derive(Debug, Parser)]
+#[command(
+    name = "accel",
+    version,
+    about = "Run and plan accel-rs training and inference jobs"
+)]
+pub struct Cli {
+    /// The subcommand.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Plan where each module of a model goes, as Accelerate's `infer_auto_device_map`.
+    DeviceMap(DeviceMapArgs),
+}

@@ -1,0 +1,112 @@
+//! `accel device-map` reproduces every reference planning case of
+//! shared/spec/device_map_cases.json through the command line.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn spec() -> Value {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/spec/device_map_cases.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "the reference cases must be present at {}: {e}",
+            path.display()
+        )
+    });
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The CLI flags equivalent to a case's planner arguments.
+fn flags(args: &Value) -> Vec<String> {
+    let mut out = vec![];
+    let mem: Vec<String> = args["max_memory"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => format!("{k}={s}"),
+            other => format!("{k}={other}"),
+        })
+        .collect();
+    out.push(format!("--max-memory={}", mem.join(",")));
+    for class in args["no_split_module_classes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        out.push(format!("--no-split={}", class.as_str().unwrap()));
+    }
+    if let Some(d) = args["dtype"].as_str() {
+        out.push(format!("--dtype={d}"));
+    }
+    for (name, d) in args["special_dtypes"].as_object().into_iter().flatten() {
+        out.push(format!("--special-dtype={name}={}", d.as_str().unwrap()));
+    }
+    for (key, flag) in [
+        ("offload_buffers", "--offload-buffers"),
+        ("fallback_allocation", "--fallback-allocation"),
+    ] {
+        if args[key] == true {
+            out.push(flag.into());
+        }
+    }
+    if args["clean_result"] == false {
+        out.push("--no-clean".into());
+    }
+    out
+}
+
+#[test]
+fn every_reference_case_plans_identically_through_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases = spec();
+    let cases = cases.as_object().unwrap();
+    assert!(!cases.is_empty());
+    for (name, case) in cases {
+        if case["expected"]["device_map"].is_null() {
+            continue; // a case whose reference call raised; the library tests cover those
+        }
+        let tree = dir.path().join(format!("{name}.json"));
+        std::fs::write(&tree, case["model_tree"].to_string()).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_accel"))
+            .arg("device-map")
+            .arg("--model-tree")
+            .arg(&tree)
+            .args(flags(&case["args"]))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let want = &case["expected"];
+        assert_eq!(got["device_map"], want["device_map"], "{name}: device_map");
+        assert_eq!(
+            got["module_sizes"], want["module_sizes"],
+            "{name}: module_sizes"
+        );
+        assert_eq!(got["max_layer"], want["max_layer"], "{name}: max_layer");
+        assert_eq!(got["warnings"], want["warnings"], "{name}: warnings");
+    }
+}
+
+#[test]
+fn a_missing_model_tree_file_is_named_in_the_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_accel"))
+        .args([
+            "device-map",
+            "--model-tree",
+            "/nonexistent/tree.json",
+            "--max-memory",
+            "cpu=1GB",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/tree.json"), "{err}");
+}
