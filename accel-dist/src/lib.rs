@@ -1,5 +1,45 @@
-//! Process groups, collectives and launching for accel-rs.
+//! Process groups, collectives and rendezvous for accel-rs.
+//!
+//! - [`ProcessGroupConfig`] reads where this process sits in a job from
+//!   torchrun-style environment variables.
+//! - [`TcpStore`] is the rendezvous key-value store the ranks meet through.
+//! - [`Communicator`] is the seam between training code and a transport:
+//!   [`LocalCommunicator`] for one process, [`TcpCommunicator`] for CPU
+//!   processes over TCP.
+//! - [`ProcessGroup`] puts the three together.
+//!
+//! ```no_run
+//! use accel_dist::{Communicator, ProcessGroup, ProcessGroupConfig, ReduceOp};
+//!
+//! let group = ProcessGroup::init(ProcessGroupConfig::from_env()?)?;
+//! let comm = group.communicator();
+//! let mut grads = vec![1.0f32; 1024];
+//! comm.all_reduce((&mut grads).into(), ReduceOp::Mean)?;
+//! comm.barrier()?;
+//! # Ok::<(), accel_dist::Error>(())
+//! ```
 #![warn(missing_docs)]
+// Only a future NCCL backend may opt back in, in its own audited file.
+#![deny(unsafe_code)]
 
+pub mod backend;
+mod buffer;
+mod communicator;
 mod error;
+mod group;
+pub mod launch;
+pub mod process;
+mod reduce;
+pub mod rendezvous;
+mod tensor;
+
+pub use backend::tcp::{Algorithm, Collective, TcpCommunicator, TcpConfig, Transport};
+pub use backend::LocalCommunicator;
+pub use buffer::{Buffer, BufferMut};
+pub use communicator::{Communicator, CommunicatorExt};
 pub use error::{Error, Result};
+pub use group::ProcessGroup;
+pub use process::{InitProcessGroupKwargs, ProcessGroupConfig};
+pub(crate) use reduce::Element;
+pub use reduce::ReduceOp;
+pub use rendezvous::{StoreServer, TcpStore};

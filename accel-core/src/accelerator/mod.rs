@@ -403,7 +403,9 @@ impl Accelerator {
 fn default_device() -> Result<Device> {
     #[cfg(feature = "cuda")]
     {
-        if candle_core::utils::cuda_is_available() {
+        // `accel launch --cpu` sets this, as Accelerate's launcher does.
+        let force_cpu = std::env::var("ACCELERATE_USE_CPU").is_ok_and(|v| v == "true" || v == "1");
+        if !force_cpu && candle_core::utils::cuda_is_available() {
             let local_rank = std::env::var("LOCAL_RANK")
                 .ok()
                 .and_then(|v| v.parse().ok())

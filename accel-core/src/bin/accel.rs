@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use accel_core::cli::{device_map, Cli, Command};
+use accel_core::cli::{device_map, launch, Cli, Command};
 use clap::Parser;
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -11,6 +11,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let out = device_map(&args)?;
             println!("{}", serde_json::to_string(&out)?);
         }
+        Command::Launch(args) => launch(&args)?,
     }
     Ok(())
 }

@@ -2,8 +2,10 @@
 //! the flags) and the pure functions each subcommand runs.
 
 mod device_map_cmd;
+mod launch_cmd;
 
 pub use device_map_cmd::{device_map, DeviceMapArgs};
+pub use launch_cmd::{launch, LaunchArgs};
 
 use clap::{Parser, Subcommand};
 
@@ -25,4 +27,6 @@ pub struct Cli {
 pub enum Command {
     /// Plan where each module of a model goes, as Accelerate's `infer_auto_device_map`.
     DeviceMap(DeviceMapArgs),
+    /// Run a program on several processes with torchrun's environment variables.
+    Launch(LaunchArgs),
 }

@@ -1,0 +1,63 @@
+//! `accel launch` starts real processes with torchrun's variables, prefixes
+//! their output, and stops the job when one rank fails.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn accel() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_accel"))
+}
+
+#[test]
+fn every_rank_gets_torchrun_variables_and_prefixed_output() {
+    let out = accel()
+        .args(["launch", "--num_processes", "3", "--cpu", "sh", "-c"])
+        .arg("echo rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE lws=$LOCAL_WORLD_SIZE addr=$MASTER_ADDR cpu=$ACCELERATE_USE_CPU token=${#ACCEL_JOB_TOKEN}")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    for r in 0..3 {
+        let want =
+            format!("[rank{r}]: rank={r} local={r} world=3 lws=3 addr=127.0.0.1 cpu=true token=32");
+        assert!(
+            text.lines().any(|l| l == want),
+            "missing {want:?} in:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_the_others_and_is_named() {
+    let started = Instant::now();
+    let out = accel()
+        .args(["launch", "--num_processes", "3", "sh", "-c"])
+        .arg("if [ \"$RANK\" = 1 ]; then echo boom >&2; exit 3; fi; sleep 60")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the other ranks were not stopped"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("[rank1]: boom"), "{err}");
+    assert!(
+        err.contains("rank 1") && err.contains("exit status 3"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_program_that_does_not_exist_is_named() {
+    let out = accel()
+        .args(["launch", "--num_processes", "2", "/no/such/program"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/program"));
+}
