@@ -118,7 +118,12 @@ fn main() -> Result<()> {
         args.mixed_precision
     ));
 
-    let bar = ProgressBar::new(args.steps).with_position(step);
+    // One bar for the job, drawn by the main process.
+    let bar = if acc.is_main_process() {
+        ProgressBar::new(args.steps).with_position(step)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(ProgressStyle::with_template(
         "{bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
     )?);
@@ -159,12 +164,15 @@ fn main() -> Result<()> {
     let secs = started.elapsed().as_secs_f64();
     let ckpt = acc.save_state(None)?;
     let files = acc.save_model(&params, args.out.join("model"), "10GB")?;
+    // Only the main process writes the model; the others get an empty list.
     acc.end_training()?;
+    let model_dir = args.out.join("model");
     acc.print(format!(
-        "{:.1} steps/s; checkpoint {}; model {}",
+        "{:.1} steps/s; checkpoint {}; model {} ({} file(s))",
         step as f64 / secs,
         ckpt.display(),
-        files[0].display()
+        model_dir.display(),
+        files.len()
     ));
     let prompt = tok.encode("The ")?;
     let text = model.generate(&prompt, 160, 0.8, acc.rng())?;

@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Result};
 use crate::ordered_map::OrderedMap;
+use crate::tree::{ModuleTree, TensorKind};
 use std::fmt;
 
 /// A device a module (or a memory budget) belongs to.
@@ -274,6 +275,59 @@ fn clean_prefix(device_map: &mut DeviceMap, module_name: &str) {
     }
 }
 
+/// Checks that a device map gives a device to every tensor of the model, as
+/// Accelerate's `check_device_map`; returns its warnings.
+///
+/// Keys that are not modules of the tree (tensor names included, as in
+/// Accelerate) produce the warning
+/// "The following device_map keys do not match any submodules in the model: [...]".
+///
+/// # Errors
+/// [`Error::UncoveredTensors`] listing every state-dict name (parameters,
+/// tied aliases included, and persistent buffers) no key covers.
+pub fn check_device_map(tree: &ModuleTree, device_map: &DeviceMap) -> Result<Vec<String>> {
+    let mut warnings = Vec::new();
+    let invalid: Vec<String> = device_map
+        .keys()
+        .filter(|k| !k.is_empty() && tree.module_id(k).is_none())
+        .map(|k| format!("'{k}'"))
+        .collect();
+    if !invalid.is_empty() {
+        warnings.push(format!(
+            "The following device_map keys do not match any submodules in the model: [{}]",
+            invalid.join(", ")
+        ));
+    }
+    if device_map.get("").is_some() {
+        return Ok(warnings);
+    }
+    // `state_dict()` order: each module's parameters, then its persistent buffers, pre-order.
+    let mut uncovered = Vec::new();
+    for module in tree.modules() {
+        let ids = tree.module(module).tensors();
+        let params = ids
+            .iter()
+            .filter(|&&t| tree.tensor(t).kind == TensorKind::Parameter);
+        let buffers = ids.iter().filter(|&&t| {
+            let t = tree.tensor(t);
+            t.kind == TensorKind::Buffer && t.persistent
+        });
+        for &t in params.chain(buffers) {
+            let name = &tree.tensor(t).name;
+            let covered = device_map
+                .keys()
+                .any(|k| name == k || name.starts_with(&format!("{k}.")));
+            if !covered {
+                uncovered.push(name.clone());
+            }
+        }
+    }
+    if !uncovered.is_empty() {
+        return Err(Error::UncoveredTensors { tensors: uncovered });
+    }
+    Ok(warnings)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,5 +379,40 @@ mod tests {
         let dm = map(&[("h.0", Placement::Gpu(0)), ("", Placement::Cpu)]);
         assert_eq!(dm.placement_of("h.0.attn.weight"), Some(Placement::Gpu(0)));
         assert_eq!(dm.placement_of("wte.weight"), Some(Placement::Cpu));
+    }
+
+    #[test]
+    fn check_device_map_lists_every_uncovered_tensor_like_accelerate() {
+        use crate::dtype::DTypeName;
+        let mut tree = ModuleTree::from_tensors([
+            ("emb.weight", vec![4, 2], DTypeName::FLOAT32),
+            ("h.0.weight", vec![2, 2], DTypeName::FLOAT32),
+            ("h.1.weight", vec![2, 2], DTypeName::FLOAT32),
+        ])
+        .unwrap();
+        tree.add_buffer("h.1.mask", vec![2], DTypeName::BOOL, true)
+            .unwrap();
+        tree.add_buffer("h.1.cache", vec![2], DTypeName::FLOAT32, false)
+            .unwrap();
+        let partial = map(&[("emb", Placement::Gpu(0)), ("h.0", Placement::Cpu)]);
+        let err = check_device_map(&tree, &partial).unwrap_err();
+        // Python: ValueError from check_device_map(model, {"emb": 0, "h.0": "cpu"})
+        assert_eq!(
+            err.to_string(),
+            "The device_map provided does not give any device for the following parameters: h.1.weight, h.1.mask"
+        );
+        let full = map(&[
+            ("emb", Placement::Gpu(0)),
+            ("h", Placement::Cpu),
+            ("nope", Placement::Disk),
+            ("h.0.weight", Placement::Cpu),
+        ]);
+        assert_eq!(
+            check_device_map(&tree, &full).unwrap(),
+            ["The following device_map keys do not match any submodules in the model: ['nope', 'h.0.weight']"]
+        );
+        assert!(check_device_map(&tree, &map(&[("", Placement::Cpu)]))
+            .unwrap()
+            .is_empty());
     }
 }

@@ -1,6 +1,9 @@
 //! The one error type of accel-bigmodel.
 
-/// Everything that can go wrong while describing a model or planning where it goes.
+use std::path::PathBuf;
+
+/// Everything that can go wrong while describing a model, planning where it goes
+/// or loading its checkpoint.
 ///
 /// Where Accelerate raises for the same input, the message says what Accelerate
 /// says (and, for Python-level failures such as `KeyError`, which exception it
@@ -142,6 +145,131 @@ pub enum Error {
         value: String,
     },
 
+    /// Tensors of the model that no device-map entry covers (Accelerate's `check_device_map`).
+    #[error("The device_map provided does not give any device for the following parameters: {}", tensors.join(", "))]
+    UncoveredTensors {
+        /// State-dict names left without a device, in state-dict order.
+        tensors: Vec<String>,
+    },
+
+    // === checkpoint files ===
+    /// Reading a file failed.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        /// What was being done ("reading", "memory-mapping", ...).
+        op: &'static str,
+        /// The file at fault.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+
+    /// A checkpoint file the loader needs is not there.
+    #[error("{}: missing checkpoint file ({what})", path.display())]
+    MissingFile {
+        /// The expected path.
+        path: PathBuf,
+        /// What the file should have held (and who asked for it, e.g. the index).
+        what: String,
+    },
+
+    /// A safetensors file is damaged or disagrees with its index: the reason names
+    /// the tensor and byte offsets where there are some.
+    #[error("{}: invalid safetensors file: {reason}", path.display())]
+    Safetensors {
+        /// The file at fault.
+        path: PathBuf,
+        /// The tensor at fault, when one is.
+        tensor: Option<String>,
+        /// What is wrong, e.g. "tensor `w` data ends at byte 400 but the file has 320".
+        reason: String,
+    },
+
+    /// A `*.safetensors.index.json` file is unreadable or malformed.
+    #[error("{}: invalid checkpoint index: {reason}", path.display())]
+    BadIndex {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A checkpoint path that is neither a safetensors file, an index, nor a
+    /// folder holding exactly one of those.
+    #[error("{}: {reason}", path.display())]
+    InvalidCheckpoint {
+        /// The path as given.
+        path: PathBuf,
+        /// Why it cannot be loaded.
+        reason: String,
+    },
+
+    /// A tensor the caller asked for is not in the checkpoint.
+    #[error("{}: no tensor named `{name}` in this checkpoint", checkpoint.display())]
+    MissingTensor {
+        /// The tensor name.
+        name: String,
+        /// The checkpoint (file, index or folder) that was searched.
+        checkpoint: PathBuf,
+    },
+
+    // === loading into a model ===
+    /// The checkpoint's names and the model's differ (strict loading); lists all of them.
+    #[error("{}: checkpoint does not match the model: {} missing key(s) {missing:?}, {} unexpected key(s) {unexpected:?}", checkpoint.display(), missing.len(), unexpected.len())]
+    KeyMismatch {
+        /// The checkpoint as given.
+        checkpoint: PathBuf,
+        /// Names the model has and the checkpoint lacks, sorted.
+        missing: Vec<String>,
+        /// Names the checkpoint has and the model lacks, sorted.
+        unexpected: Vec<String>,
+    },
+
+    /// A checkpoint tensor does not have the shape the model expects.
+    #[error("{}: tensor `{tensor}` has shape {got:?}, expected {expected:?}", path.display())]
+    ShapeMismatch {
+        /// The file holding the tensor.
+        path: PathBuf,
+        /// The tensor name.
+        tensor: String,
+        /// The shape the model wants.
+        expected: Vec<usize>,
+        /// The shape in the file.
+        got: Vec<usize>,
+    },
+
+    /// A model `Var` has a dtype other than the one the load options ask for; candle
+    /// `Var`s cannot change dtype, so the model must be built in the dtype it loads.
+    #[error("load_checkpoint_in_model: `{tensor}` is a {got:?} Var but {rule} asks for {expected:?}; build the model in the dtype you load")]
+    VarDtypeMismatch {
+        /// The tensor name.
+        tensor: String,
+        /// The dtype the options ask for.
+        expected: candle_core::DType,
+        /// The Var's dtype.
+        got: candle_core::DType,
+        /// Which option decided `expected` (`LoadOptions::dtype` or `keep_in_fp32_modules`).
+        rule: &'static str,
+    },
+
+    /// A model `Var` cannot be written in place because it is a strided view.
+    #[error(
+        "load_checkpoint_in_model: Var `{tensor}` is not contiguous, so it cannot be set in place"
+    )]
+    NonContiguousVar {
+        /// The tensor name.
+        tensor: String,
+    },
+
+    // === wrapped errors from lower layers ===
+    /// A tensor operation failed inside candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+
+    /// A fused conversion kernel failed.
+    #[error(transparent)]
+    Kernels(#[from] accel_kernels::Error),
+
     /// Reading or writing JSON failed.
     #[error(transparent)]
     Json(#[from] serde_json::Error),
@@ -152,6 +280,17 @@ pub enum Error {
 impl std::fmt::Debug for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Display::fmt(self, f)
+    }
+}
+
+impl Error {
+    /// Wraps an I/O error with the operation and path it came from.
+    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            op,
+            path: path.into(),
+            source,
+        }
     }
 }
 

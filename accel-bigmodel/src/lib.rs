@@ -7,6 +7,13 @@
 //! [`infer_auto_device_map`]. Results, including key order, int-versus-float
 //! sizes and warning texts, match Accelerate's.
 //!
+//! The loading half reads safetensors checkpoints: [`ModuleTree::from_safetensors`]
+//! describes a checkpoint from its headers alone, [`CheckpointSource`] memory-maps
+//! a file or shard set and serves tensors by name (also as a candle
+//! `SimpleBackend`), and [`load_checkpoint_in_model`] fills a model's `Var`s,
+//! validating everything first. [`init_empty_weights`] builds a candle model of
+//! any size without memory for its weights, so it can be planned before loading.
+//!
 //! ```
 //! use accel_bigmodel::{infer_auto_device_map, DTypeName, ModuleTree, Placement, PlanOptions};
 //!
@@ -23,29 +30,43 @@
 //! # Ok::<(), accel_bigmodel::Error>(())
 //! ```
 #![warn(missing_docs)]
-#![forbid(unsafe_code)]
+// Denied rather than forbidden so that `safetensors/mmap.rs` can allow its one
+// audited `Mmap::map` call; nothing else may use `unsafe`.
+#![deny(unsafe_code)]
 
 mod bytes;
+pub mod checkpoint;
 mod device_map;
 mod dtype;
+mod empty;
 mod error;
 mod memory;
 mod ordered_map;
 mod planner;
 mod planner_fallback;
+pub mod safetensors;
 mod sizes;
 mod tree;
+mod tree_safetensors;
 mod tree_spec;
 
 pub use bytes::Bytes;
-pub use device_map::{clean_device_map, DeviceMap, Placement};
+pub use checkpoint::{
+    load_checkpoint_in_model, load_checkpoint_in_varmap, CheckpointSource, LoadOptions, LoadReport,
+    TensorLocation,
+};
+pub use device_map::{check_device_map, clean_device_map, DeviceMap, Placement};
 pub use dtype::DTypeName;
+pub use empty::{init_empty_weights, placeholder, EmptyTensor, EmptyWeights};
 pub use error::{Error, Result};
 pub use memory::{
     convert_file_size_to_int, get_balanced_memory, get_max_memory, parse_max_memory_json,
     MaxMemory, MemorySize,
 };
 pub use planner::{infer_auto_device_map, Plan, PlanOptions};
+pub use safetensors::{
+    MmapFile, SafetensorsHeader, WeightIndex, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
+};
 pub use sizes::{
     compute_module_sizes, compute_module_total_buffer_size, get_max_layer_size, MaxLayer,
     ModuleSizes, SpecialDtypes,

@@ -51,6 +51,7 @@ struct Inner {
     sync_gradients: bool,
     end_of_dataloader: bool,
     in_dataloader: usize,
+    remainder: usize,
 }
 
 /// Shared view of the accumulation state: the Accelerator advances it, prepared
@@ -120,6 +121,16 @@ impl GradientState {
     /// Sets the sync flag directly (outside `accumulate`, every step syncs).
     pub fn set_sync_gradients(&self, sync: bool) {
         self.lock().sync_gradients = sync;
+    }
+
+    /// Real (not duplicated) samples in the last global batch of the current
+    /// loader, 0 when the last batch is full (Accelerate's `remainder`).
+    pub fn remainder(&self) -> usize {
+        self.lock().remainder
+    }
+
+    pub(crate) fn set_remainder(&self, remainder: usize) {
+        self.lock().remainder = remainder;
     }
 
     pub(crate) fn set_step(&self, step: u64) {

@@ -128,6 +128,46 @@ impl PreparedModel {
         Ok(())
     }
 
+    /// Averages the gradients over all ranks (DDP). Every parameter takes
+    /// part, a missing gradient counting as zero, so all ranks issue the same
+    /// collectives whatever parts of the model their batch touched.
+    pub(crate) fn all_reduce_grads(
+        &self,
+        comm: &dyn accel_dist::Communicator,
+        buckets: &accel_dist::ddp::GradBuckets,
+        hook: accel_dist::ddp::CommHook,
+    ) -> Result<()> {
+        let mut g = self.lock();
+        let mut all = Vec::with_capacity(g.names.len());
+        for i in 0..g.names.len() {
+            let t = match g.grads[i].clone() {
+                Some(t) => t,
+                None => {
+                    let m = g.masters[i].as_tensor();
+                    let t = Tensor::zeros(m.shape(), DType::F32, m.device())?;
+                    g.grads[i] = Some(t.clone());
+                    t
+                }
+            };
+            if !g.has_grad[i] {
+                // The buffer may hold a previous step's values (even NaN): clear, don't scale.
+                accel_kernels::with_slice_mut::<f32, _>(&t, "zero_grad", |s| {
+                    s.fill(0.0);
+                    Ok(())
+                })?;
+                g.has_grad[i] = true;
+            }
+            all.push(t);
+        }
+        buckets.all_reduce_mean(comm, &all, hook)?;
+        Ok(())
+    }
+
+    /// Numbers of elements of each parameter, for bucketing.
+    pub(crate) fn numels(&self) -> Vec<usize> {
+        self.lock().masters.iter().map(|v| v.elem_count()).collect()
+    }
+
     /// Forgets the accumulated gradients (the buffers are kept for reuse).
     pub(crate) fn zero_grad(&self) {
         let mut g = self.lock();

@@ -25,6 +25,7 @@
 pub mod backend;
 mod buffer;
 mod communicator;
+pub mod ddp;
 mod error;
 mod group;
 pub mod launch;

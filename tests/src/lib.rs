@@ -27,10 +27,25 @@ pub struct TinyJob {
 /// Optimizer steps the tiny job's schedule spans.
 pub const TOTAL_STEPS: u64 = 40;
 
+/// The tiny job's usual schedule: 3 warm-up steps, then a cosine over [`TOTAL_STEPS`].
+pub fn cosine() -> Schedule {
+    Schedule::Cosine {
+        warmup: 3,
+        total: TOTAL_STEPS,
+    }
+}
+
 impl TinyJob {
     /// Builds the job on `acc`; the first `corpus_chars` characters of the
-    /// corpus are used so an epoch is a handful of batches.
-    pub fn new(acc: &mut Accelerator, corpus_chars: usize) -> accel_core::Result<Self> {
+    /// corpus are used so an epoch is a handful of batches of `batch_size`
+    /// windows (per process), and `schedule` drives the learning rate (see
+    /// [`cosine`] for the usual one).
+    pub fn new(
+        acc: &mut Accelerator,
+        corpus_chars: usize,
+        batch_size: usize,
+        schedule: Schedule,
+    ) -> accel_core::Result<Self> {
         let tok = CharTokenizer::new(CORPUS);
         let cfg = GptConfig {
             vocab_size: tok.vocab_size(),
@@ -48,7 +63,7 @@ impl TinyJob {
         let y = Tensor::from_vec(y, (n, cfg.block_size), acc.device())?;
         let loader = DataLoader::new(
             TensorDataset::new(vec![x, y])?,
-            accel_core::data::DataLoaderConfig::new(4).with_shuffle(true),
+            accel_core::data::DataLoaderConfig::new(batch_size).with_shuffle(true),
         );
         let varmap = VarMap::new();
         let model = Gpt::new(cfg, acc.var_builder(&varmap))?;
@@ -60,16 +75,7 @@ impl TinyJob {
                 ..Default::default()
             }),
         );
-        let sched = acc.prepare_scheduler(
-            LrScheduler::new(
-                Schedule::Cosine {
-                    warmup: 3,
-                    total: TOTAL_STEPS,
-                },
-                1e-2,
-            ),
-            &opt,
-        );
+        let sched = acc.prepare_scheduler(LrScheduler::new(schedule, 1e-2), &opt);
         let loader = acc.prepare_data_loader(loader);
         Ok(Self {
             model,

@@ -46,7 +46,7 @@ fn killing_the_process_mid_save_leaves_only_complete_checkpoints() {
                     .with_project(ProjectConfiguration::automatic(dir.path())),
             )
             .unwrap();
-            let _job = TinyJob::new(&mut acc, 600).unwrap();
+            let _job = TinyJob::new(&mut acc, 600, 4, accel_tests::cosine()).unwrap();
             acc.load_state(Some(&ckpts.join(&name)))
                 .unwrap_or_else(|e| panic!("round {round}: {name} does not load: {e}"));
         }

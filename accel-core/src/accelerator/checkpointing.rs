@@ -43,17 +43,21 @@ impl Accelerator {
         let project = &self.config.project;
         let dir = if project.automatic_checkpoint_naming {
             let base = self.checkpoints_dir();
-            std::fs::create_dir_all(&base).map_err(|e| Error::io("creating", &base, e))?;
-            checkpoint::clean_stale_temps(&base)?;
-            if let Some(limit) = project.total_limit {
-                checkpoint::enforce_total_limit(&base, limit)?;
-            }
             let dir = base.join(format!("checkpoint_{}", project.iteration));
-            if dir.exists() {
-                return Err(Error::Usage(format!(
-                    "checkpoint folder {} already exists; automatic naming never overwrites",
-                    dir.display()
-                )));
+            // Only the main process touches the folder tree; the others learn
+            // the outcome at the barrier below.
+            if self.is_main_process() {
+                std::fs::create_dir_all(&base).map_err(|e| Error::io("creating", &base, e))?;
+                checkpoint::clean_stale_temps(&base)?;
+                if let Some(limit) = project.total_limit {
+                    checkpoint::enforce_total_limit(&base, limit)?;
+                }
+                if dir.exists() {
+                    return Err(Error::Usage(format!(
+                        "checkpoint folder {} already exists; automatic naming never overwrites",
+                        dir.display()
+                    )));
+                }
             }
             dir
         } else {
@@ -66,9 +70,6 @@ impl Accelerator {
                 })?
                 .to_path_buf()
         };
-        if !self.is_main_process() {
-            return Ok(dir);
-        }
         if !self
             .grad_state
             .step()
@@ -76,13 +77,34 @@ impl Accelerator {
         {
             tracing::warn!("save_state in the middle of an accumulation cycle: accumulated gradients are not saved");
         }
-        let tmp = AtomicDir::begin(&dir)?;
-        self.write_state(tmp.path())?;
-        tmp.commit()?;
+        // Model, optimizer and loader states are identical on every rank: the
+        // main process writes them (with its own RNG state) and publishes the
+        // folder atomically; then every other rank adds its RNG state file.
+        if self.is_main_process() {
+            let tmp = AtomicDir::begin(&dir)?;
+            self.write_state(tmp.path())?;
+            tmp.commit()?;
+        }
+        self.wait_for_everyone()?;
+        if !self.is_main_process() {
+            self.write_random_state(&dir)?;
+        }
+        self.wait_for_everyone()?;
         if self.config.project.automatic_checkpoint_naming {
             self.config.project.iteration += 1;
         }
         Ok(dir)
+    }
+
+    fn write_random_state(&self, out: &Path) -> Result<()> {
+        let random = serde_json::json!({
+            "seed": self.seed,
+            "generator": self.rng.state(),
+            "step": self.grad_state.step(),
+        });
+        let name = format!("random_states_{}", self.process_index());
+        checkpoint::save_state_dict(out, &name, &StateDict::from_meta(random))?;
+        Ok(())
     }
 
     fn write_state(&self, out: &Path) -> Result<()> {
@@ -109,13 +131,7 @@ impl Accelerator {
             let meta = s.lock().unwrap_or_else(|e| e.into_inner()).to_json();
             checkpoint::save_state_dict(out, "scaler", &StateDict::from_meta(meta))?;
         }
-        let random = serde_json::json!({
-            "seed": self.seed,
-            "generator": self.rng.state(),
-            "step": self.grad_state.step(),
-        });
-        let name = format!("random_states_{}", self.process_index());
-        checkpoint::save_state_dict(out, &name, &StateDict::from_meta(random))?;
+        self.write_random_state(out)?;
         for (i, c) in self.custom.iter().enumerate() {
             let state = c.lock().unwrap_or_else(|e| e.into_inner()).state_dict()?;
             checkpoint::save_state_dict(out, &format!("custom_checkpoint_{i}"), &state)?;

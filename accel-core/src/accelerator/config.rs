@@ -4,6 +4,9 @@ use std::path::PathBuf;
 
 use candle_core::Device;
 
+use accel_dist::ddp::DdpConfig;
+use accel_dist::InitProcessGroupKwargs;
+
 use crate::accumulation::GradientAccumulationPlugin;
 use crate::precision::{GradScalerConfig, PrecisionType};
 
@@ -87,8 +90,16 @@ pub struct AcceleratorConfig {
     pub log_with: Vec<String>,
     /// Batches are split across processes rather than drawn per process.
     pub split_batches: bool,
+    /// Pad the last batches by wrapping around so every process gets the
+    /// same number of batches (Accelerate's default).
+    pub even_batches: bool,
     /// Step schedulers once per process per optimizer step (Accelerate's default).
     pub step_scheduler_with_optimizer: bool,
+    /// Data-parallel settings (bucket size, gradient compression).
+    pub ddp: DdpConfig,
+    /// Process-group settings (the collective timeout); `None` keeps what the
+    /// launcher set (`ACCEL_DIST_TIMEOUT`, else 30 minutes).
+    pub init_kwargs: Option<InitProcessGroupKwargs>,
 }
 
 impl Default for AcceleratorConfig {
@@ -102,7 +113,10 @@ impl Default for AcceleratorConfig {
             device: None,
             log_with: vec![],
             split_batches: false,
+            even_batches: true,
             step_scheduler_with_optimizer: true,
+            ddp: DdpConfig::default(),
+            init_kwargs: None,
         }
     }
 }
@@ -147,6 +161,18 @@ impl AcceleratorConfig {
     /// Sets the trackers.
     pub fn with_log_with<S: Into<String>>(mut self, names: impl IntoIterator<Item = S>) -> Self {
         self.log_with = names.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Sets the data-parallel settings.
+    pub fn with_ddp(mut self, ddp: DdpConfig) -> Self {
+        self.ddp = ddp;
+        self
+    }
+
+    /// Sets the process-group settings (collective timeout).
+    pub fn with_init_kwargs(mut self, kwargs: InitProcessGroupKwargs) -> Self {
+        self.init_kwargs = Some(kwargs);
         self
     }
 

@@ -6,11 +6,14 @@
 
 mod checkpointing;
 mod config;
+mod ops;
 
 pub use config::{AcceleratorConfig, ProjectConfiguration};
 
 use std::sync::{Arc, Mutex};
 
+use accel_dist::ddp::GradBuckets;
+use accel_dist::{Communicator, ProcessGroup, ProcessGroupConfig};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
@@ -56,6 +59,10 @@ type SharedCheckpointable = Arc<Mutex<dyn Checkpointable + Send>>;
 /// ```
 pub struct Accelerator {
     state: ProcessState,
+    /// Keeps the rendezvous store (hosted by rank 0) alive for the whole run.
+    _group: ProcessGroup,
+    comm: Arc<dyn Communicator>,
+    buckets: Vec<GradBuckets>,
     config: AcceleratorConfig,
     grad_state: GradientState,
     scaler: Option<Arc<Mutex<GradScaler>>>,
@@ -79,17 +86,12 @@ impl Accelerator {
             None => default_device()?,
         };
         let state = ProcessState::from_env(device)?;
-        if state.world_size > 1 {
-            // Collectives arrive with accel-dist's communicators; until the
-            // process group is wired in, refuse rather than train unsynchronised.
-            return Err(Error::Config {
-                key: "WORLD_SIZE".into(),
-                reason: format!(
-                    "{} processes requested, but this build runs single-process jobs only",
-                    state.world_size
-                ),
-            });
+        let mut pg_config = ProcessGroupConfig::from_env()?;
+        if let Some(kwargs) = &config.init_kwargs {
+            pg_config = pg_config.with_kwargs(kwargs);
         }
+        // World 1 gives a local communicator; more ranks meet at MASTER_ADDR.
+        let group = ProcessGroup::init(pg_config)?;
         if config.gradient_accumulation.num_steps == 0 {
             return Err(Error::Config {
                 key: "gradient_accumulation_steps".into(),
@@ -102,6 +104,9 @@ impl Accelerator {
         Ok(Self {
             grad_state: GradientState::new(config.gradient_accumulation),
             state,
+            comm: group.communicator(),
+            _group: group,
+            buckets: vec![],
             scaler,
             seed,
             rng: SplitMix64::new(seed),
@@ -172,7 +177,16 @@ impl Accelerator {
 
     /// Waits for every process to reach this point (a no-op in a single process).
     pub fn wait_for_everyone(&self) -> Result<()> {
-        Ok(())
+        Ok(self.comm().barrier()?)
+    }
+
+    /// The communicator of the process group (a local one in a single process).
+    pub fn communicator(&self) -> Arc<dyn Communicator> {
+        self.comm.clone()
+    }
+
+    fn comm(&self) -> &dyn Communicator {
+        &*self.comm
     }
 
     // === seeding ===
@@ -234,6 +248,14 @@ impl Accelerator {
         }
         drop(masters_drawn);
         let model = PreparedModel::new(names, vars, masters);
+        if self.num_processes() > 1 {
+            // DDP: every replica starts from rank 0's weights.
+            let masters: Vec<Tensor> = model.master_weights().into_iter().map(|(_, t)| t).collect();
+            accel_dist::ddp::broadcast_parameters(self.comm(), &masters, 0)?;
+            model.refresh_model_weights()?;
+        }
+        let cap = (self.config.ddp.bucket_cap_mb * 1024.0 * 1024.0) as usize;
+        self.buckets.push(GradBuckets::new(&model.numels(), cap));
         self.models.push(model.clone());
         Ok(model)
     }
@@ -279,7 +301,13 @@ impl Accelerator {
     /// Prepares a data loader: its last batch ends an accumulation cycle, its
     /// shuffle is seeded, and its position is saved with the state.
     pub fn prepare_data_loader<D: Dataset>(&mut self, mut loader: DataLoader<D>) -> DataLoader<D> {
-        let pos = loader.attach(self.grad_state.clone(), self.seed);
+        let shard = crate::data::ShardConfig {
+            num_processes: self.num_processes(),
+            process_index: self.process_index(),
+            split_batches: self.config.split_batches,
+            even_batches: self.config.even_batches,
+        };
+        let pos = loader.attach(self.grad_state.clone(), self.seed, shard);
         self.loaders.push(pos);
         loader
     }
@@ -333,6 +361,12 @@ impl Accelerator {
         let grads = scaled.backward()?;
         for m in &self.models {
             m.accumulate(&grads)?;
+        }
+        // DDP averages at the end of an accumulation cycle only (no_sync before).
+        if self.num_processes() > 1 && self.sync_gradients() {
+            for (m, b) in self.models.iter().zip(&self.buckets) {
+                m.all_reduce_grads(self.comm(), b, self.config.ddp.comm_hook)?;
+            }
         }
         Ok(())
     }

@@ -3,9 +3,10 @@
 //!
 //! Files are plain safetensors with `{"format": "pt"}` in `__metadata__`, so
 //! Python's `safetensors` and `transformers` load them as PyTorch weights.
-//! Reading parses the header itself (rather than only trusting
-//! `safetensors::SafeTensors::deserialize`) so a damaged file gets a precise
-//! reason, e.g. "tensor `w` data ends at byte 400 but the file has 320".
+//! Reading memory-maps the file and validates its header with accel-bigmodel's
+//! parser (rather than only trusting `safetensors::SafeTensors::deserialize`)
+//! so a damaged file gets a precise reason, e.g. "tensor `w` data ends at
+//! byte 400 but the file has 320".
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -14,9 +15,10 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use serde_json::Value;
 
 use super::fs_util::{atomic_write_with, python_json, write_bytes_atomic};
-use super::st_format::{candle_dtype, read_bytes, to_raw, Parsed, Raw};
+use super::st_format::{file_error, open, read_bytes, to_raw, Raw};
 use super::StateDict;
 use crate::{Error, Result};
+use accel_bigmodel::MmapFile;
 
 /// The name, shape and dtype a model expects for one tensor; what
 /// [`load_into`] validates a file against.
@@ -109,31 +111,32 @@ pub fn read_safetensors_with_metadata(
     path: impl AsRef<Path>,
     device: &Device,
 ) -> Result<(BTreeMap<String, Tensor>, HashMap<String, String>)> {
-    let parsed = Parsed::open(path.as_ref())?;
-    let tensors = parsed
-        .entries
+    let file = open(path.as_ref())?;
+    let tensors = file
+        .header()
+        .tensors()
         .keys()
-        .map(|name| Ok((name.clone(), parsed.tensor(name, device)?)))
+        .map(|name| Ok((name.clone(), file.tensor(name, device).map_err(file_error)?)))
         .collect::<Result<_>>()?;
-    Ok((tensors, parsed.metadata))
+    Ok((tensors, file.header().metadata().clone()))
 }
 
 /// Checks a parsed file against specs; returns the names to load, in spec
 /// order. Reads only the header, so nothing is materialized on failure.
 fn validate<'s>(
-    parsed: &Parsed,
+    file: &MmapFile,
     expected: &'s [TensorSpec],
     strict: bool,
 ) -> Result<Vec<&'s TensorSpec>> {
-    let path = || parsed.path.clone();
+    let path = || file.path().to_path_buf();
+    let entries = file.header().tensors();
     let wanted: BTreeSet<&str> = expected.iter().map(|s| s.name.as_str()).collect();
     let missing: Vec<String> = wanted
         .iter()
-        .filter(|n| !parsed.entries.contains_key(**n))
+        .filter(|n| !entries.contains_key(**n))
         .map(|n| n.to_string())
         .collect();
-    let unexpected: Vec<String> = parsed
-        .entries
+    let unexpected: Vec<String> = entries
         .keys()
         .filter(|n| !wanted.contains(n.as_str()))
         .cloned()
@@ -146,11 +149,11 @@ fn validate<'s>(
         });
     }
     if !missing.is_empty() || !unexpected.is_empty() {
-        tracing::warn!(path = %parsed.path.display(), ?missing, ?unexpected, "non-strict load: keys differ");
+        tracing::warn!(path = %file.path().display(), ?missing, ?unexpected, "non-strict load: keys differ");
     }
     let mut present = Vec::new();
     for spec in expected {
-        let Some(e) = parsed.entries.get(&spec.name) else {
+        let Some(e) = entries.get(&spec.name) else {
             continue;
         };
         if e.shape != spec.shape.dims() {
@@ -161,7 +164,7 @@ fn validate<'s>(
                 got: e.shape.clone(),
             });
         }
-        match candle_dtype(&e.dtype) {
+        match e.candle_dtype() {
             Some(got) if got == spec.dtype => {}
             Some(got) => {
                 return Err(Error::DtypeMismatch {
@@ -201,10 +204,13 @@ pub fn load_into(
     strict: bool,
     device: &Device,
 ) -> Result<BTreeMap<String, Tensor>> {
-    let parsed = Parsed::open(path.as_ref())?;
-    validate(&parsed, expected, strict)?
+    let file = open(path.as_ref())?;
+    validate(&file, expected, strict)?
         .into_iter()
-        .map(|spec| Ok((spec.name.clone(), parsed.tensor(&spec.name, device)?)))
+        .map(|spec| {
+            let tensor = file.tensor(&spec.name, device).map_err(file_error)?;
+            Ok((spec.name.clone(), tensor))
+        })
         .collect()
 }
 
@@ -215,12 +221,12 @@ pub fn load_into(
 /// `Var::set` on each. A bad file therefore leaves every `Var` untouched; only
 /// a device failure during the final copies could leave some set.
 pub fn restore_vars(path: impl AsRef<Path>, vars: &[(String, Var)], strict: bool) -> Result<()> {
-    let parsed = Parsed::open(path.as_ref())?;
+    let file = open(path.as_ref())?;
     let specs: Vec<TensorSpec> = vars
         .iter()
         .map(|(n, v)| TensorSpec::of(n, v.as_tensor()))
         .collect();
-    let present: BTreeSet<&str> = validate(&parsed, &specs, strict)?
+    let present: BTreeSet<&str> = validate(&file, &specs, strict)?
         .into_iter()
         .map(|s| s.name.as_str())
         .collect();
@@ -231,7 +237,7 @@ pub fn restore_vars(path: impl AsRef<Path>, vars: &[(String, Var)], strict: bool
                 "cannot restore `{name}`: its Var is not contiguous"
             )));
         }
-        staged.push((var, parsed.tensor(name, var.device())?));
+        staged.push((var, file.tensor(name, var.device()).map_err(file_error)?));
     }
     for (var, tensor) in staged {
         var.set(&tensor)?;

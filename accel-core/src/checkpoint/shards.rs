@@ -13,14 +13,17 @@ use std::path::{Path, PathBuf};
 use candle_core::{Device, Tensor};
 use serde::Serialize;
 
+use accel_bigmodel::CheckpointSource;
+
 use super::fs_util::{python_json, write_bytes_atomic};
-use super::safetensors_io::{read_json, read_safetensors, write_safetensors};
+use super::safetensors_io::{read_safetensors, write_safetensors};
+use super::st_format::file_error;
 use crate::{Error, Result};
 
 /// File name of unsharded model weights (Accelerate's `SAFE_WEIGHTS_NAME`).
-pub const SAFE_WEIGHTS_NAME: &str = "model.safetensors";
+pub const SAFE_WEIGHTS_NAME: &str = accel_bigmodel::SAFE_WEIGHTS_NAME;
 /// File name of the shard index (Accelerate's `SAFE_WEIGHTS_INDEX_NAME`).
-pub const SAFE_WEIGHTS_INDEX_NAME: &str = "model.safetensors.index.json";
+pub const SAFE_WEIGHTS_INDEX_NAME: &str = accel_bigmodel::SAFE_WEIGHTS_INDEX_NAME;
 
 /// Which tensors go into which file: the outcome of
 /// `split_torch_state_dict_into_shards`, without touching the disk.
@@ -237,7 +240,9 @@ pub fn load_model_tensors(
 /// but absent -> [`Error::MissingFile`] naming the shard and the index; an
 /// index entry whose shard lacks the tensor, or a shard holding a tensor the
 /// index does not list -> [`Error::Safetensors`] naming the shard, the
-/// tensor and the index; malformed index -> [`Error::Json`].
+/// tensor and the index; malformed index -> [`Error::Json`]; an index
+/// listing non-safetensors shards -> [`Error::Bigmodel`]. Shards are
+/// memory-mapped through `accel_bigmodel::CheckpointSource`.
 pub fn load_sharded(
     dir: impl AsRef<Path>,
     stem: &str,
@@ -260,77 +265,15 @@ pub fn load_sharded(
             ),
         });
     }
-    let shard_of = parse_index(&index)?;
-    let mut by_shard: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
-    for (tensor, file) in &shard_of {
-        by_shard
-            .entry(file.as_str())
-            .or_default()
-            .insert(tensor.as_str());
-    }
-    // Check every shard is there before reading gigabytes of the others.
-    for (file, tensors) in &by_shard {
-        let path = dir.join(file);
-        if !path.is_file() {
-            return Err(Error::MissingFile {
-                path,
-                what: format!(
-                    "shard listed in {} for {} tensor(s), e.g. `{}`",
-                    index.display(),
-                    tensors.len(),
-                    tensors.first().expect("non-empty")
-                ),
-            });
-        }
-    }
-    let mut out = BTreeMap::new();
-    for (file, wanted) in by_shard {
-        let path = dir.join(file);
-        let tensors = read_safetensors(&path, device)?;
-        let bad = |reason: String| Error::Safetensors {
-            path: path.clone(),
-            reason,
-        };
-        if let Some(absent) = wanted.iter().find(|n| !tensors.contains_key(**n)) {
-            return Err(bad(format!(
-                "{} maps tensor `{absent}` to this shard, but the shard does not hold it",
-                index.display()
-            )));
-        }
-        if let Some(extra) = tensors.keys().find(|n| !wanted.contains(n.as_str())) {
-            return Err(bad(format!(
-                "the shard holds tensor `{extra}`, which {} does not map to it",
-                index.display()
-            )));
-        }
-        out.extend(tensors);
-    }
-    Ok(out)
-}
-
-/// Reads `weight_map` from an index, refusing file names that leave the folder.
-fn parse_index(index: &Path) -> Result<BTreeMap<String, String>> {
-    let bad = |reason: String| Error::Json {
-        path: index.to_path_buf(),
-        reason,
-    };
-    let value = read_json(index)?;
-    let map = value
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| bad("no `weight_map` object".to_string()))?;
-    map.iter()
-        .map(|(tensor, file)| {
-            let file = file
-                .as_str()
-                .ok_or_else(|| bad(format!("`weight_map` entry `{tensor}` is not a file name")))?;
-            let plain = Path::new(file).file_name().is_some_and(|f| f == file);
-            if !plain {
-                return Err(bad(format!(
-                    "`weight_map` maps `{tensor}` to `{file}`, which is not a file in this folder"
-                )));
-            }
-            Ok((tensor.clone(), file.to_string()))
+    // accel-bigmodel reads the index (refusing names outside the folder),
+    // checks every shard exists before mapping any, and that each holds
+    // exactly the tensors the index maps to it.
+    let source = CheckpointSource::open(&index).map_err(file_error)?;
+    source
+        .names()
+        .map(|name| {
+            let tensor = source.tensor(name, device, None).map_err(file_error)?;
+            Ok((name.to_string(), tensor))
         })
         .collect()
 }

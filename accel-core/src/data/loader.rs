@@ -5,9 +5,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
 
+use super::shard::{remainder, shard_batches, sharded_len, ShardConfig};
 use super::{batch_indices, Dataset};
 use crate::accumulation::GradientState;
-use crate::Result;
+use crate::{Error, Result};
 
 /// How batches are drawn.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -73,6 +74,7 @@ pub struct DataLoader<D: Dataset> {
     config: DataLoaderConfig,
     position: Arc<Mutex<LoaderPosition>>,
     grad_state: Option<GradientState>,
+    shard: ShardConfig,
 }
 
 impl<D: Dataset> DataLoader<D> {
@@ -87,18 +89,23 @@ impl<D: Dataset> DataLoader<D> {
             config,
             position: Arc::new(Mutex::new(position)),
             grad_state: None,
+            shard: ShardConfig::default(),
         }
     }
 
+    /// Hands this loader to the Accelerator: its gradient state, the seed
+    /// when none was set, and which share of each epoch this process draws.
     pub(crate) fn attach(
         &mut self,
         grad_state: GradientState,
         default_seed: u64,
+        shard: ShardConfig,
     ) -> Arc<Mutex<LoaderPosition>> {
         if self.config.seed.is_none() {
             self.lock().seed = default_seed;
         }
         self.grad_state = Some(grad_state);
+        self.shard = shard;
         self.position.clone()
     }
 
@@ -116,14 +123,18 @@ impl<D: Dataset> DataLoader<D> {
         &self.config
     }
 
-    /// Batches per epoch.
+    /// Batches per epoch for this process.
     pub fn len(&self) -> usize {
         let (n, bs) = (self.dataset.len(), self.config.batch_size.max(1));
-        if self.config.drop_last {
+        let global = if self.config.drop_last {
             n / bs
         } else {
             n.div_ceil(bs)
+        };
+        if self.shard.num_processes == 1 {
+            return global;
         }
+        sharded_len(global, bs, self.config.drop_last, &self.shard).unwrap_or(0)
     }
 
     /// True when an epoch has no batch.
@@ -158,22 +169,35 @@ impl<D: Dataset> DataLoader<D> {
     /// loader moves to the next epoch.
     pub fn iter(&self) -> LoaderIter<'_, D> {
         let p = *self.lock();
-        let batches = batch_indices(
+        let c = &self.config;
+        let global = batch_indices(
             self.dataset.len(),
-            self.config.batch_size,
-            self.config.shuffle,
+            c.batch_size,
+            c.shuffle,
             p.seed,
             p.epoch,
-            self.config.drop_last,
+            c.drop_last,
         );
+        // Every process draws the same global order (same seed) and keeps its share.
+        let (batches, error) = if self.shard.num_processes == 1 {
+            (global, None)
+        } else {
+            match shard_batches(&global, c.batch_size, c.drop_last, &self.shard) {
+                Ok(b) => (b, None),
+                Err(e) => (vec![], Some(e)),
+            }
+        };
         if let Some(g) = &self.grad_state {
             g.enter_dataloader();
+            let rem = remainder(self.dataset.len(), c.batch_size, c.drop_last, &self.shard);
+            g.set_remainder(rem.unwrap_or(0));
         }
         LoaderIter {
             loader: self,
             batches,
             next: p.batch,
             done: false,
+            error,
         }
     }
 }
@@ -192,6 +216,7 @@ pub struct LoaderIter<'a, D: Dataset> {
     batches: Vec<Vec<usize>>,
     next: usize,
     done: bool,
+    error: Option<Error>,
 }
 
 impl<D: Dataset> Iterator for LoaderIter<'_, D> {
@@ -200,6 +225,10 @@ impl<D: Dataset> Iterator for LoaderIter<'_, D> {
     fn next(&mut self) -> Option<Self::Item> {
         if self.done {
             return None;
+        }
+        if let Some(e) = self.error.take() {
+            self.done = true;
+            return Some(Err(e));
         }
         if self.next >= self.batches.len() {
             self.done = true;
@@ -274,7 +303,7 @@ mod tests {
     fn the_last_batch_is_flagged_to_the_gradient_state() {
         let mut l = loader(4, 2);
         let gs = GradientState::new(Default::default());
-        l.attach(gs.clone(), 0);
+        l.attach(gs.clone(), 0, ShardConfig::default());
         let mut flags = vec![];
         for b in l.iter() {
             b.unwrap();

@@ -2,6 +2,8 @@
 
 mod loader;
 mod sampler;
+pub mod shard; // TEMP-SHARD
+pub use shard::{remainder, shard_batches, sharded_len, ShardConfig}; // TEMP-SHARD
 
 pub use loader::{DataLoader, DataLoaderConfig, LoaderIter, LoaderPosition};
 pub use sampler::batch_indices;

@@ -32,6 +32,16 @@ struct Args {
     /// Micro-batches per step.
     #[arg(long, default_value_t = 2)]
     accumulation: usize,
+    /// Windows per micro-batch and process.
+    #[arg(long, default_value_t = 4)]
+    batch_size: usize,
+    /// Keep the learning rate constant (an Accelerate scheduler steps once per
+    /// process per optimizer step, so schedules differ between world sizes).
+    #[arg(long)]
+    constant_lr: bool,
+    /// Write the result JSON here (main process only) instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 fn main() -> Result<()> {
@@ -44,7 +54,12 @@ fn main() -> Result<()> {
             .with_gradient_accumulation_steps(args.accumulation)
             .with_project(project),
     )?;
-    let mut job = TinyJob::new(&mut acc, 600)?;
+    let schedule = if args.constant_lr {
+        accel_core::scheduler::Schedule::Constant
+    } else {
+        accel_tests::cosine()
+    };
+    let mut job = TinyJob::new(&mut acc, 600, args.batch_size, schedule)?;
     let mut done = 0;
     if args.resume {
         acc.load_state(None)?;
@@ -77,9 +92,16 @@ fn main() -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let losses: Vec<u32> = losses.iter().map(|x| x.to_bits()).collect();
-    println!(
-        "{}",
-        serde_json::json!({ "losses": losses, "weights": weights, "position": job.loader.position().batch, "epoch": job.loader.epoch() })
-    );
+    let result = serde_json::json!({
+        "losses": losses,
+        "weights": weights,
+        "position": job.loader.position().batch,
+        "epoch": job.loader.epoch(),
+    });
+    match (&args.out, acc.is_main_process()) {
+        (Some(path), true) => std::fs::write(path, result.to_string())?,
+        (None, _) => println!("{result}"),
+        (Some(_), false) => {}
+    }
     Ok(())
 }

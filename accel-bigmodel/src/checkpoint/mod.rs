@@ -1,0 +1,10 @@
+//! Loading safetensors checkpoints: a memory-mapped [`CheckpointSource`] that
+//! serves tensors by name, and [`load_checkpoint_in_model`] on top of it.
+
+mod load;
+mod source;
+#[cfg(test)]
+mod test_files;
+
+pub use load::{load_checkpoint_in_model, load_checkpoint_in_varmap, LoadOptions, LoadReport};
+pub use source::{CheckpointSource, TensorLocation};

@@ -1,0 +1,223 @@
+//! [`CheckpointSource`]: a memory-mapped checkpoint (one file or a shard set)
+//! that finds tensors by name and materialises them on a device.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Shape, Tensor};
+
+use crate::error::{Error, Result};
+use crate::safetensors::{CheckpointFiles, HeaderEntry, MmapFile, WeightIndex};
+
+/// Where one tensor of a checkpoint lives, read from the headers alone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorLocation<'a> {
+    /// The file (shard) holding it.
+    pub file: &'a Path,
+    /// Its header entry: dtype name, shape and offsets within the data section.
+    pub entry: &'a HeaderEntry,
+    /// Its bytes as absolute offsets in `file`.
+    pub byte_range: Range<u64>,
+}
+
+impl TensorLocation<'_> {
+    /// Its dimensions.
+    pub fn shape(&self) -> &[usize] {
+        &self.entry.shape
+    }
+
+    /// Its candle dtype, when candle can hold it.
+    pub fn dtype(&self) -> Option<DType> {
+        self.entry.candle_dtype()
+    }
+}
+
+/// A safetensors checkpoint, memory-mapped: a single file, or every shard of
+/// an index, checked against each other when opened.
+///
+/// Opening validates every header and, for shards, that each holds exactly the
+/// tensors the index maps to it; no tensor data is read until
+/// [`CheckpointSource::tensor`] asks for it. The files must not be modified
+/// while the source is alive (the usual contract of memory-mapped checkpoints,
+/// see [`MmapFile`]).
+///
+/// It is also a candle `SimpleBackend`, so a model can be built straight from
+/// it: `VarBuilder::from_backend(Box::new(source), dtype, device)`; each
+/// tensor is then checked against the shape the model asks for and converted
+/// to the builder's dtype.
+#[derive(Debug)]
+pub struct CheckpointSource {
+    checkpoint: PathBuf,
+    files: CheckpointFiles,
+    mapped: Vec<MmapFile>,
+    by_name: BTreeMap<String, usize>,
+}
+
+impl CheckpointSource {
+    /// Opens a checkpoint: a `.safetensors` file, an index `.json`, or a folder
+    /// holding `model.safetensors` or one `*.index.json` (see [`CheckpointFiles::resolve`]).
+    ///
+    /// # Errors
+    /// Those of [`CheckpointFiles::resolve`]; [`Error::MissingFile`] naming a
+    /// missing shard and the index; [`Error::Safetensors`] for a damaged file or
+    /// a shard that disagrees with the index, naming file and tensor.
+    pub fn open(checkpoint: impl AsRef<Path>) -> Result<Self> {
+        let checkpoint = checkpoint.as_ref();
+        let files = CheckpointFiles::resolve(checkpoint)?;
+        if let Some(index) = files.index() {
+            index.check_shards_exist()?;
+        }
+        let mut mapped = Vec::new();
+        let mut by_name = BTreeMap::new();
+        for path in files.paths() {
+            let file = MmapFile::open(&path)?;
+            if let Some(index) = files.index() {
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                index.check_shard(&name, file.header())?;
+            }
+            for name in file.header().tensors().keys() {
+                by_name.insert(name.clone(), mapped.len());
+            }
+            mapped.push(file);
+        }
+        Ok(CheckpointSource {
+            checkpoint: checkpoint.to_path_buf(),
+            files,
+            mapped,
+            by_name,
+        })
+    }
+
+    /// The path the source was opened from.
+    pub fn checkpoint(&self) -> &Path {
+        &self.checkpoint
+    }
+
+    /// The shard index, for a sharded checkpoint.
+    pub fn index(&self) -> Option<&WeightIndex> {
+        self.files.index()
+    }
+
+    /// The mapped files, in reading order.
+    pub fn files(&self) -> impl Iterator<Item = &Path> {
+        self.mapped.iter().map(MmapFile::path)
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.by_name.len()
+    }
+
+    /// True when the checkpoint holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.by_name.is_empty()
+    }
+
+    /// Tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.by_name.keys().map(String::as_str)
+    }
+
+    /// Whether the checkpoint holds `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// Where `name` lives: file, dtype, shape and byte range, from the headers.
+    pub fn locate(&self, name: &str) -> Option<TensorLocation<'_>> {
+        let file = &self.mapped[*self.by_name.get(name)?];
+        let header = file.header();
+        Some(TensorLocation {
+            file: file.path(),
+            entry: header.get(name)?,
+            byte_range: header.byte_range(name)?,
+        })
+    }
+
+    /// Materialises `name` on `device`, converted to `dtype` when given.
+    ///
+    /// The bytes go from the mapping straight to `device` in the file's dtype
+    /// and are converted there, so a GPU target never holds a host copy.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::Safetensors`] when candle cannot hold
+    /// the file's dtype, [`Error::Candle`] / [`Error::Kernels`] on device failure.
+    pub fn tensor(&self, name: &str, device: &Device, dtype: Option<DType>) -> Result<Tensor> {
+        let Some(&i) = self.by_name.get(name) else {
+            return Err(Error::MissingTensor {
+                name: name.to_string(),
+                checkpoint: self.checkpoint.clone(),
+            });
+        };
+        let tensor = self.mapped[i].tensor(name, device)?;
+        match dtype {
+            Some(dtype) => convert(tensor, dtype),
+            None => Ok(tensor),
+        }
+    }
+}
+
+fn is_half_or_f32(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+}
+
+/// Converts a freshly materialised tensor to `dtype`: host f32/bf16/f16 through
+/// accel-kernels' parallel cast (bitwise equal to candle's), everything else
+/// through candle's `to_dtype`.
+pub(crate) fn convert(tensor: Tensor, dtype: DType) -> Result<Tensor> {
+    if tensor.dtype() == dtype {
+        return Ok(tensor);
+    }
+    if is_half_or_f32(tensor.dtype()) && is_half_or_f32(dtype) && tensor.device().is_cpu() {
+        let mut out = accel_kernels::cast_tensors(std::slice::from_ref(&tensor), dtype)?;
+        return Ok(out.pop().expect("one tensor in, one out"));
+    }
+    Ok(tensor.to_dtype(dtype)?)
+}
+
+impl candle_nn::var_builder::SimpleBackend for CheckpointSource {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        _init: candle_nn::Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let location = self.locate(name).ok_or_else(|| {
+            candle_core::Error::wrap(Error::MissingTensor {
+                name: name.to_string(),
+                checkpoint: self.checkpoint.clone(),
+            })
+        })?;
+        if location.shape() != shape.dims() {
+            return Err(candle_core::Error::wrap(Error::ShapeMismatch {
+                path: location.file.to_path_buf(),
+                tensor: name.to_string(),
+                expected: shape.dims().to_vec(),
+                got: location.shape().to_vec(),
+            }));
+        }
+        self.tensor(name, device, Some(dtype))
+            .map_err(candle_core::Error::wrap)
+    }
+
+    fn get_unchecked(
+        &self,
+        name: &str,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.tensor(name, device, Some(dtype))
+            .map_err(candle_core::Error::wrap)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.contains(name)
+    }
+}
+
+#[cfg(test)]
+#[path = "source_tests.rs"]
+mod tests;

@@ -1,0 +1,168 @@
+//! Memory-mapped safetensors files: the one place accel-bigmodel uses `unsafe`.
+
+use std::fs::File;
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use memmap2::Mmap;
+
+use super::header::SafetensorsHeader;
+use crate::error::{Error, Result};
+
+/// A safetensors file mapped read-only into memory, with its validated header.
+///
+/// Mapping instead of reading means a checkpoint larger than RAM costs only
+/// the pages of the tensors actually materialised, and the OS can drop them
+/// again under pressure.
+///
+/// Contract: checkpoint files are read-only inputs. Nobody may write or
+/// truncate the file while a `MmapFile` is alive (replacing it by renaming a
+/// new file over it is fine); a concurrent writer would change bytes under
+/// shared references, and a truncation makes reading the lost pages raise
+/// SIGBUS. This is the contract of candle's `from_mmaped_safetensors` and of
+/// Python's `safe_open` too.
+pub struct MmapFile {
+    header: SafetensorsHeader,
+    map: Mmap,
+}
+
+impl std::fmt::Debug for MmapFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MmapFile")
+            .field("path", &self.header.path())
+            .field("tensors", &self.header.tensors().len())
+            .field("len", &self.map.len())
+            .finish()
+    }
+}
+
+/// Maps `file` read-only.
+///
+/// This is the crate's single audited `unsafe` block.
+#[allow(unsafe_code)]
+fn map_read_only(file: &File, path: &Path) -> Result<Mmap> {
+    // SAFETY: `Mmap::map` is unsafe because the returned `&[u8]` aliases the
+    // file's pages: if another process writes the file while it is mapped, the
+    // bytes change under a shared reference (undefined behaviour in Rust's
+    // model), and if it truncates the file, touching the lost pages raises
+    // SIGBUS. The contract of this crate, documented on `MmapFile` and
+    // `CheckpointSource`, is that checkpoints are read-only inputs that nobody
+    // modifies while they are loaded, the same contract as candle's
+    // `from_mmaped_safetensors` and Python's `safe_open`. Within that
+    // contract: the map is read-only (PROT_READ), so we never write through
+    // it; it is owned by `MmapFile` together with the header validated against
+    // it, so every slice handed out lies inside the mapping (offsets were
+    // checked against the mapped length); and the mapping outlives every slice
+    // because slices borrow `&self`. Writers in this workspace (accel-core's
+    // checkpoint saver) never modify a file in place: they write a temporary
+    // file and rename it over the old one, which leaves existing mappings of
+    // the old inode intact.
+    unsafe { Mmap::map(file) }.map_err(|e| Error::io("memory-mapping", path, e))
+}
+
+impl MmapFile {
+    /// Opens and maps a safetensors file and validates its header against it.
+    ///
+    /// # Errors
+    /// [`Error::MissingFile`] when the file is absent, [`Error::Io`] when it
+    /// cannot be opened or mapped, [`Error::Safetensors`] naming the defect.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let file = File::open(path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => Error::MissingFile {
+                path: path.to_path_buf(),
+                what: "safetensors tensor file".to_string(),
+            },
+            _ => Error::io("opening", path, e),
+        })?;
+        let map = map_read_only(&file, path)?;
+        // Validate against the mapped bytes themselves (not a separate read),
+        // so the offsets checked are exactly those of the mapping.
+        let header = SafetensorsHeader::from_bytes(path, &map)?;
+        Ok(MmapFile { header, map })
+    }
+
+    /// The validated header.
+    pub fn header(&self) -> &SafetensorsHeader {
+        &self.header
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        self.header.path()
+    }
+
+    /// A tensor's raw little-endian bytes; `None` when the file lacks it.
+    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        let range = self.header.byte_range(name)?;
+        // In range: `from_bytes` checked every entry against `map.len()`.
+        Some(&self.map[range.start as usize..range.end as usize])
+    }
+
+    /// Materialises a tensor on `device`, in the dtype the file stores.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] when the file lacks it, [`Error::Safetensors`]
+    /// when candle cannot hold its dtype, [`Error::Candle`] on device failure.
+    pub fn tensor(&self, name: &str, device: &Device) -> Result<Tensor> {
+        let (Some(entry), Some(bytes)) = (self.header.get(name), self.bytes(name)) else {
+            return Err(Error::MissingTensor {
+                name: name.to_string(),
+                checkpoint: self.path().to_path_buf(),
+            });
+        };
+        let dtype = entry.candle_dtype().ok_or_else(|| Error::Safetensors {
+            path: self.path().to_path_buf(),
+            tensor: Some(name.to_string()),
+            reason: format!(
+                "tensor `{name}` has dtype {}, which candle cannot hold",
+                entry.dtype
+            ),
+        })?;
+        Ok(Tensor::from_raw_buffer(bytes, dtype, &entry.shape, device)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mapped_file_hands_out_each_tensor_from_its_own_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let h = r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"U8","shape":[3],"data_offsets":[8,11]}}"#;
+        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(h.as_bytes());
+        bytes.extend_from_slice(&1.5f32.to_le_bytes());
+        bytes.extend_from_slice(&(-2f32).to_le_bytes());
+        bytes.extend_from_slice(&[7, 8, 9]);
+        std::fs::write(&path, &bytes).unwrap();
+
+        let file = MmapFile::open(&path).unwrap();
+        assert_eq!(file.bytes("b"), Some(&[7u8, 8, 9][..]));
+        let a = file.tensor("a", &Device::Cpu).unwrap();
+        assert_eq!(a.to_vec1::<f32>().unwrap(), vec![1.5, -2.0]);
+        match file.tensor("c", &Device::Cpu).unwrap_err() {
+            Error::MissingTensor { name, checkpoint } => {
+                assert_eq!((name.as_str(), checkpoint), ("c", path.clone()));
+            }
+            other => panic!("{other}"),
+        }
+    }
+
+    #[test]
+    fn an_empty_file_maps_and_is_reported_as_truncated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("empty.safetensors");
+        std::fs::write(&path, b"").unwrap();
+        let err = MmapFile::open(&path).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{}: invalid safetensors file: the file has 0 bytes, too few for the 8-byte header length (truncated?)",
+                path.display()
+            )
+        );
+    }
+}
