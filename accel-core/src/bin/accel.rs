@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use accel_core::cli::{device_map, launch, Cli, Command};
+use accel_core::cli::{device_map, estimate_memory, launch, Cli, Command};
 use clap::Parser;
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -12,6 +12,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string(&out)?);
         }
         Command::Launch(args) => launch(&args)?,
+        Command::EstimateMemory(args) => println!("{}", estimate_memory(&args)?),
     }
     Ok(())
 }

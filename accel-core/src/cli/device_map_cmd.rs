@@ -15,8 +15,16 @@ use crate::{Error, Result};
 pub struct DeviceMapArgs {
     /// Model tree JSON (the format of shared/spec/device_map_cases.md: an object
     /// with `modules`, `parameters`, `buffers`, `tied`, or a case holding one under `model_tree`).
+    #[arg(
+        long,
+        required_unless_present = "checkpoint",
+        conflicts_with = "checkpoint"
+    )]
+    pub model_tree: Option<PathBuf>,
+    /// Plan straight from a safetensors checkpoint (file, index or folder),
+    /// reading only the headers.
     #[arg(long)]
-    pub model_tree: PathBuf,
+    pub checkpoint: Option<PathBuf>,
     /// Budget per device, e.g. `0=10GiB,1=10GiB,cpu=64GB,disk=1TB` (GPU ordinals, `cpu`, `disk`).
     #[arg(long, value_delimiter = ',', required = true)]
     pub max_memory: Vec<String>,
@@ -66,19 +74,31 @@ fn parse_max_memory(items: &[String]) -> Result<Vec<(Placement, MemorySize)>> {
         .collect()
 }
 
+/// Reads a model tree JSON file (or a planning case holding one under `model_tree`).
+pub fn read_model_tree(path: &std::path::Path) -> Result<ModuleTree> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io("reading", path, e))?;
+    let json_err = |reason: String| Error::Json {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| json_err(e.to_string()))?;
+    let tree_json = value.get("model_tree").unwrap_or(&value);
+    ModuleTree::from_spec_json(tree_json).map_err(|e| json_err(e.to_string()))
+}
+
 /// Runs the plan and returns `{"module_sizes", "max_layer", "device_map", "warnings", "logs"}`.
 pub fn device_map(args: &DeviceMapArgs) -> Result<serde_json::Value> {
-    let text = std::fs::read_to_string(&args.model_tree)
-        .map_err(|e| Error::io("reading", &args.model_tree, e))?;
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Json {
-        path: args.model_tree.clone(),
-        reason: e.to_string(),
-    })?;
-    let tree_json = value.get("model_tree").unwrap_or(&value);
-    let tree = ModuleTree::from_spec_json(tree_json).map_err(|e| Error::Json {
-        path: args.model_tree.clone(),
-        reason: e.to_string(),
-    })?;
+    let tree = match (&args.model_tree, &args.checkpoint) {
+        (Some(path), _) => read_model_tree(path)?,
+        (None, Some(ckpt)) => ModuleTree::from_safetensors(ckpt)?,
+        (None, None) => {
+            return Err(config_err(
+                "--model-tree",
+                "give --model-tree or --checkpoint",
+            ))
+        }
+    };
     let dtype = args.dtype.as_deref().map(DTypeName::parse).transpose()?;
     let mut special = SpecialDtypes::new();
     for item in &args.special_dtype {

@@ -2,9 +2,11 @@
 //! the flags) and the pure functions each subcommand runs.
 
 mod device_map_cmd;
+mod estimate_cmd;
 mod launch_cmd;
 
-pub use device_map_cmd::{device_map, DeviceMapArgs};
+pub use device_map_cmd::{device_map, read_model_tree, DeviceMapArgs};
+pub use estimate_cmd::{convert_bytes, estimate_memory, estimate_rows, EstimateArgs, EstimateRow};
 pub use launch_cmd::{launch, LaunchArgs};
 
 use clap::{Parser, Subcommand};
@@ -27,6 +29,8 @@ pub struct Cli {
 pub enum Command {
     /// Plan where each module of a model goes, as Accelerate's `infer_auto_device_map`.
     DeviceMap(DeviceMapArgs),
+    /// What a checkpoint needs to load and to train, per dtype.
+    EstimateMemory(EstimateArgs),
     /// Run a program on several processes with torchrun's environment variables.
     Launch(LaunchArgs),
 }

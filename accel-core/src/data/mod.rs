@@ -2,11 +2,11 @@
 
 mod loader;
 mod sampler;
-pub mod shard; // TEMP-SHARD
-pub use shard::{remainder, shard_batches, sharded_len, ShardConfig}; // TEMP-SHARD
+mod shard;
 
 pub use loader::{DataLoader, DataLoaderConfig, LoaderIter, LoaderPosition};
 pub use sampler::batch_indices;
+pub use shard::{remainder, shard_batches, sharded_len, ShardConfig};
 
 use candle_core::Tensor;
 

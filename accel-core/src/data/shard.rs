@@ -103,11 +103,13 @@ impl ShardConfig {
 ///
 /// ```
 /// use accel_core::data::{shard_batches, ShardConfig};
-/// // 5 samples, batch size 2, two processes: process 1 gets [2, 3] and then a
-/// // last batch completed with the first samples of the epoch.
+/// // 5 samples, batch size 2, two processes: the short batch [4] is completed
+/// // with sample 0 for process 0, and process 1 continues with samples 1 and 2.
 /// let batches = vec![vec![0, 1], vec![2, 3], vec![4]];
-/// let cfg = ShardConfig { num_processes: 2, process_index: 1, ..ShardConfig::default() };
-/// assert_eq!(shard_batches(&batches, 2, false, &cfg).unwrap(), vec![vec![2, 3], vec![0, 1]]);
+/// let p0 = ShardConfig { num_processes: 2, process_index: 0, ..ShardConfig::default() };
+/// let p1 = ShardConfig { process_index: 1, ..p0 };
+/// assert_eq!(shard_batches(&batches, 2, false, &p0).unwrap(), vec![vec![0, 1], vec![4, 0]]);
+/// assert_eq!(shard_batches(&batches, 2, false, &p1).unwrap(), vec![vec![2, 3], vec![1, 2]]);
 /// ```
 pub fn shard_batches(
     batches: &[Vec<usize>],
