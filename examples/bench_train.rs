@@ -78,7 +78,10 @@ enum Kind {
 }
 
 /// Builds the model with `vb` and returns a closure computing the loss of batch `i`.
-fn build(kind: Kind, vb: VarBuilder, dtype: DType) -> Result<Box<dyn Fn(usize) -> Result<Tensor>>> {
+/// The loss of batch `i` of a workload.
+type LossFn = Box<dyn Fn(usize) -> Result<Tensor>>;
+
+fn build(kind: Kind, vb: VarBuilder, dtype: DType) -> Result<LossFn> {
     let dev = Device::Cpu;
     match kind {
         Kind::Mlp => {
@@ -111,13 +114,16 @@ fn build(kind: Kind, vb: VarBuilder, dtype: DType) -> Result<Box<dyn Fn(usize) -
 /// A loop that runs `n` optimizer steps and returns steps per second.
 type Loop = Box<dyn FnMut(usize) -> Result<f64>>;
 
-fn raw_candle(kind: Kind) -> Result<Loop> {
+/// The model in f32 with candle's own initialisation, for the raw loops.
+fn raw_model(kind: Kind) -> Result<(VarMap, LossFn)> {
     let varmap = VarMap::new();
-    let loss = build(
-        kind,
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-        DType::F32,
-    )?;
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let loss = build(kind, vb, DType::F32)?;
+    Ok((varmap, loss))
+}
+
+fn raw_candle(kind: Kind) -> Result<Loop> {
+    let (varmap, loss) = raw_model(kind)?;
     let mut opt = candle_nn::AdamW::new(varmap.all_vars(), candle_nn::ParamsAdamW::default())?;
     let mut i = 0;
     Ok(Box::new(move |n| {
@@ -131,12 +137,7 @@ fn raw_candle(kind: Kind) -> Result<Loop> {
 }
 
 fn raw_fused(kind: Kind) -> Result<Loop> {
-    let varmap = VarMap::new();
-    let loss = build(
-        kind,
-        VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu),
-        DType::F32,
-    )?;
+    let (varmap, loss) = raw_model(kind)?;
     let vars: Vec<Var> = varmap.all_vars();
     let zeros = |v: &Var| Tensor::zeros(v.shape(), DType::F32, &Device::Cpu);
     let ms = vars

@@ -111,6 +111,21 @@ fn a_missing_model_tree_file_is_named_in_the_error() {
     assert!(err.contains("/nonexistent/tree.json"), "{err}");
 }
 
+/// Runs `accel ARGS PATH`, asserts success and parses its JSON output.
+fn accel_json(args: &[&str], path: &Path) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_accel"))
+        .args(args)
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn plans_and_estimates_straight_from_checkpoint_headers() {
     use candle_core::{DType, Device, Tensor};
@@ -129,38 +144,21 @@ fn plans_and_estimates_straight_from_checkpoint_headers() {
     accel_core::checkpoint::write_safetensors(dir.path().join("model.safetensors"), &tensors, None)
         .unwrap();
 
-    let out = Command::new(env!("CARGO_BIN_EXE_accel"))
-        .arg("device-map")
-        .arg("--checkpoint")
-        .arg(dir.path())
-        .arg("--max-memory=0=4500,cpu=100000")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let got = accel_json(
+        &[
+            "device-map",
+            "--max-memory=0=4500,cpu=100000",
+            "--checkpoint",
+        ],
+        dir.path(),
     );
-    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(got["module_sizes"][""], 8000);
     assert_eq!(got["max_layer"]["size"], 4000);
     // GPU 0 holds the 4000-byte embedding only when no layer must be reserved
     // beside it: 4000 + 2000 (largest remaining layer) > 4500, so all goes to cpu.
     assert_eq!(got["device_map"], serde_json::json!({"": "cpu"}));
 
-    let out = Command::new(env!("CARGO_BIN_EXE_accel"))
-        .arg("estimate-memory")
-        .arg("--checkpoint")
-        .arg(dir.path())
-        .arg("--json")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = accel_json(&["estimate-memory", "--json", "--checkpoint"], dir.path());
     assert_eq!(rows[0]["dtype"], "float32");
     assert_eq!(rows[0]["total_size"], 8000.0);
     assert_eq!(rows[0]["largest_layer"], 4000.0);
