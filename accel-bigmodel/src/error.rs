@@ -261,6 +261,80 @@ pub enum Error {
         tensor: String,
     },
 
+    // === hooks, offload and dispatch ===
+    /// A device map that cannot be applied to a hooked model: an entry naming
+    /// no module of it, a model part left without a device, or a part split
+    /// across devices.
+    #[error("device map: module {module:?}: {reason}")]
+    InvalidDeviceMap {
+        /// The module (device-map key or model part) at fault.
+        module: String,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A module is placed on a device this build or machine cannot execute on.
+    #[error("module {module:?}: cannot execute on {device}: {reason}")]
+    DeviceUnavailable {
+        /// The module placed there.
+        module: String,
+        /// The device as the device map names it (`cuda:0`).
+        device: String,
+        /// Why it is unavailable (candle's message).
+        reason: String,
+    },
+
+    /// A module is placed on disk but nothing says where its weights live.
+    #[error(
+        "module {module:?} is placed on disk but no offload folder (or weights map) was given"
+    )]
+    MissingOffloadFolder {
+        /// The module placed on disk.
+        module: String,
+    },
+
+    /// A weight a hook needs is not in its weights map (offload folder, CPU map or checkpoint).
+    #[error("{source_desc}: no offloaded weight `{name}`")]
+    MissingOffloadedWeight {
+        /// The tensor name.
+        name: String,
+        /// The weights map searched (an offload folder's path, "CPU weights map", ...).
+        source_desc: String,
+    },
+
+    /// A tensor handed to a hooked module's weights has the wrong shape.
+    #[error("module {module:?}: weight `{tensor}` has shape {got:?}, expected {expected:?}")]
+    WeightShapeMismatch {
+        /// The hooked module.
+        module: String,
+        /// The tensor name.
+        tensor: String,
+        /// The shape the module was built with.
+        expected: Vec<usize>,
+        /// The shape handed in.
+        got: Vec<usize>,
+    },
+
+    /// A weight name that the hooked module does not hold.
+    #[error("module {module:?} has no weight `{tensor}`")]
+    UnknownWeight {
+        /// The hooked module.
+        module: String,
+        /// The tensor name asked for.
+        tensor: String,
+    },
+
+    /// An offload folder's `index.json` is malformed or names a dtype this crate cannot read.
+    #[error("{}: invalid offload index: `{key}`: {reason}", path.display())]
+    BadOffloadIndex {
+        /// The index file.
+        path: PathBuf,
+        /// The entry at fault.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
     // === wrapped errors from lower layers ===
     /// A tensor operation failed inside candle.
     #[error(transparent)]
