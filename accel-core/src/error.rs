@@ -49,6 +49,14 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A YAML file (Accelerate's `default_config.yaml`) could not be parsed or written.
+    #[error("{}: invalid YAML: {reason}", path.display())]
+    Yaml {
+        /// The file at fault.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A checkpoint file the loader needs is not there.
     #[error("{}: missing checkpoint file ({what})", path.display())]
     MissingFile {
@@ -104,6 +112,15 @@ pub enum Error {
     /// An API was used in an order or a way it does not support.
     #[error("{0}")]
     Usage(String),
+
+    // === resources ===
+    /// An allocation did not fit: a device out of memory, or a memory cap the
+    /// program set for itself. `find_executable_batch_size` retries smaller.
+    #[error("out of memory: {what}")]
+    OutOfMemory {
+        /// What could not be allocated (e.g. "batch of 128 needs 3.1 GiB, cap 2 GiB").
+        what: String,
+    },
 }
 
 // candle's convention: Debug prints the same text as Display so `main() -> Result`

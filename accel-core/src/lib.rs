@@ -12,6 +12,7 @@ mod accelerator;
 pub mod accumulation;
 pub mod checkpoint;
 pub mod cli;
+pub mod config;
 pub mod data;
 mod init;
 pub mod model;
@@ -21,13 +22,20 @@ pub mod rng;
 pub mod scheduler;
 pub mod state;
 pub mod trackers;
+pub mod trainer;
 
 pub use accelerator::{Accelerator, AcceleratorConfig, ProjectConfiguration};
 pub use accumulation::{GradientAccumulationPlugin, GradientState};
+pub use config::{
+    default_config_path, is_bf16_available, is_cuda_available, is_nccl_available, ClusterConfig,
+};
 pub use init::init_values;
 pub use model::PreparedModel;
 pub use precision::{GradScaler, GradScalerConfig, PrecisionType};
 pub use state::{DistributedType, ProcessState};
+pub use trainer::{
+    find_executable_batch_size, TrainModel, TrainOutput, Trainer, TrainingArguments,
+};
 
 pub use accel_bigmodel as bigmodel;
 pub use accel_dist as dist;

@@ -13,9 +13,22 @@ fn tiny() -> GptConfig {
     }
 }
 
+/// A model with seeded initial weights, so every assertion on values is
+/// deterministic (candle's own CPU initialisation cannot be seeded).
 fn build(cfg: GptConfig, dtype: DType) -> Result<(VarMap, Gpt)> {
+    use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
+    let precision = match dtype {
+        DType::BF16 => PrecisionType::Bf16,
+        DType::F16 => PrecisionType::Fp16,
+        _ => PrecisionType::No,
+    };
+    let config = AcceleratorConfig::default()
+        .with_seed(7)
+        .with_mixed_precision(precision)
+        .with_device(Device::Cpu);
+    let acc = Accelerator::new(config).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     let map = VarMap::new();
-    let gpt = Gpt::new(cfg, VarBuilder::from_varmap(&map, dtype, &Device::Cpu))?;
+    let gpt = Gpt::new(cfg, acc.var_builder(&map))?;
     Ok((map, gpt))
 }
 

@@ -81,6 +81,8 @@ impl Accelerator {
     /// An Accelerator for this process, reading its rank from the launcher's
     /// environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`).
     pub fn new(config: AcceleratorConfig) -> Result<Self> {
+        // `accel launch --mixed_precision` exports ACCELERATE_MIXED_PRECISION.
+        let config = config.with_env_precision()?;
         let device = match &config.device {
             Some(d) => d.clone(),
             None => default_device()?,

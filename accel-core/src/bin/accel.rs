@@ -2,7 +2,9 @@
 
 use std::process::ExitCode;
 
-use accel_core::cli::{device_map, estimate_memory, launch, Cli, Command};
+use accel_core::cli::{
+    config_command, device_map, env_report, estimate_memory, launch, Cli, Command,
+};
 use clap::Parser;
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -11,6 +13,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let out = device_map(&args)?;
             println!("{}", serde_json::to_string(&out)?);
         }
+        Command::Config(args) => {
+            let stdin = std::io::stdin();
+            let msg = config_command(&args, &mut stdin.lock(), &mut std::io::stdout())?;
+            println!("{msg}");
+        }
+        Command::Env(args) => print!("{}", env_report(&args)?),
         Command::Launch(args) => launch(&args)?,
         Command::EstimateMemory(args) => println!("{}", estimate_memory(&args)?),
     }

@@ -3,7 +3,9 @@
 
 use std::path::PathBuf;
 
-use accel_bigmodel::{compute_module_sizes, get_max_layer_size, DTypeName, ModuleTree};
+use accel_bigmodel::{
+    compute_module_sizes, get_max_layer_size, DTypeName, ModuleTree, SpecialDtypes,
+};
 
 use crate::{Error, Result};
 
@@ -56,7 +58,18 @@ fn training_peak(fp32_bytes: f64, dtype: &str) -> Option<f64> {
 /// Computes the rows for `tree`, sized as float32 first as Accelerate builds
 /// the empty model in float32.
 pub fn estimate_rows(tree: &ModuleTree, dtypes: &[String]) -> Result<Vec<EstimateRow>> {
-    let sizes = compute_module_sizes(tree, Some(DTypeName::FLOAT32), None);
+    // Every floating tensor counts 4 bytes whatever the checkpoint stores
+    // (compute_module_sizes' `dtype` would keep the smaller of the two sizes);
+    // integer and bool tensors keep their own size, as they are never converted.
+    let as_fp32: SpecialDtypes = tree
+        .parameters()
+        .into_iter()
+        .chain(tree.buffers())
+        .map(|id| tree.tensor(id))
+        .filter(|t| !t.dtype.keeps_own_size())
+        .map(|t| (t.name.clone(), DTypeName::FLOAT32))
+        .collect();
+    let sizes = compute_module_sizes(tree, None, Some(&as_fp32));
     let largest = get_max_layer_size(tree, &tree.root_items(), &sizes, &[])
         .size
         .as_f64();

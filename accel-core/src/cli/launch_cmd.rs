@@ -1,44 +1,48 @@
 //! `accel launch`: run a program on several processes.
 
 use std::ffi::OsString;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use accel_dist::launch::{self, LaunchConfig, RunOptions};
 
-use crate::Result;
+use crate::config::{ClusterConfig, ENV_MIXED_PRECISION};
+use crate::state::DistributedType;
+use crate::{Error, PrecisionType, Result};
 
 /// Flags of `accel launch` (Accelerate's names, which use underscores; the
 /// dashed spellings are accepted too).
-#[derive(Debug, Clone, clap::Args)]
+///
+/// A flag left out falls back to the config file (`--config_file`, else the
+/// default file), then to the built-in default; a flag given always wins.
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct LaunchArgs {
-    /// Processes in the whole job, over all machines.
-    #[arg(
-        long = "num_processes",
-        visible_alias = "num-processes",
-        default_value_t = 1
-    )]
-    pub num_processes: usize,
-    /// Machines taking part.
-    #[arg(
-        long = "num_machines",
-        visible_alias = "num-machines",
-        default_value_t = 1
-    )]
-    pub num_machines: usize,
-    /// This machine's index (0 hosts the rendezvous).
-    #[arg(
-        long = "machine_rank",
-        visible_alias = "machine-rank",
-        default_value_t = 0
-    )]
-    pub machine_rank: usize,
+    /// The config file giving defaults (Accelerate's `default_config.yaml`;
+    /// `$HF_HOME/accelerate/default_config.yaml` when it exists).
+    #[arg(long = "config_file", visible_alias = "config-file")]
+    pub config_file: Option<PathBuf>,
+    /// Processes in the whole job, over all machines [default: 1].
+    #[arg(long = "num_processes", visible_alias = "num-processes")]
+    pub num_processes: Option<usize>,
+    /// Machines taking part [default: 1].
+    #[arg(long = "num_machines", visible_alias = "num-machines")]
+    pub num_machines: Option<usize>,
+    /// This machine's index (0 hosts the rendezvous) [default: 0].
+    #[arg(long = "machine_rank", visible_alias = "machine-rank")]
+    pub machine_rank: Option<usize>,
     /// Address of machine 0.
     #[arg(long = "main_process_ip", visible_alias = "main-process-ip")]
     pub main_process_ip: Option<String>,
     /// Port of the rendezvous on machine 0 (a free one on a single machine when unset).
     #[arg(long = "main_process_port", visible_alias = "main-process-port")]
     pub main_process_port: Option<u16>,
-    /// Train on the CPU.
+    /// Precision for every rank, exported as `ACCELERATE_MIXED_PRECISION` (no, fp16, bf16).
+    #[arg(long = "mixed_precision", visible_alias = "mixed-precision")]
+    pub mixed_precision: Option<String>,
+    /// GPUs the ranks may use (`0,1`), exported as `CUDA_VISIBLE_DEVICES`; `all` for every one.
+    #[arg(long = "gpu_ids", visible_alias = "gpu-ids")]
+    pub gpu_ids: Option<String>,
+    /// Train on the CPU (the default config file is then not read, as in Accelerate).
     #[arg(long)]
     pub cpu: bool,
     /// Seconds a collective waits for a missing rank before failing.
@@ -53,28 +57,208 @@ pub struct LaunchArgs {
 }
 
 impl LaunchArgs {
-    /// The launcher settings these flags describe.
-    pub fn to_config(&self) -> LaunchConfig {
-        let mut c = LaunchConfig::local(self.num_processes, self.command[0].clone());
+    /// The config file these flags ask for: `--config_file`, else the default
+    /// file when it exists and `--cpu` is not given (Accelerate's rule).
+    ///
+    /// # Errors
+    /// When the file cannot be read or parsed.
+    pub fn load_config_file(&self) -> Result<Option<ClusterConfig>> {
+        if self.config_file.is_none() && self.cpu {
+            return Ok(None);
+        }
+        ClusterConfig::load_or_default(self.config_file.as_deref())
+    }
+
+    /// The launcher settings these flags describe, with `file` filling in the
+    /// flags that were not given.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an unknown precision, a `distributed_type` accel-rs
+    /// does not run, or a file that leaves `num_processes` at -1.
+    pub fn to_config(&self, file: Option<&ClusterConfig>) -> Result<LaunchConfig> {
+        let num_processes = match (self.num_processes, file.and_then(|f| f.num_processes)) {
+            (Some(n), _) => n,
+            (None, Some(n)) if n < 1 => {
+                return Err(Error::Config {
+                    key: "num_processes".into(),
+                    reason: format!("the config file has {n}; pass --num_processes"),
+                })
+            }
+            (None, Some(n)) => n as usize,
+            (None, None) => 1,
+        };
+        let mut c = LaunchConfig::local(num_processes, self.command[0].clone());
         c.args = self.command[1..].to_vec();
-        c.num_machines = self.num_machines;
-        c.machine_rank = self.machine_rank;
-        c.main_process_ip = self.main_process_ip.clone();
-        c.main_process_port = self.main_process_port;
-        c.cpu = self.cpu;
+        c.num_machines = self
+            .num_machines
+            .or(file.map(|f| f.num_machines))
+            .unwrap_or(1);
+        c.machine_rank = self
+            .machine_rank
+            .or(file.map(|f| f.machine_rank))
+            .unwrap_or(0);
+        c.main_process_ip = self
+            .main_process_ip
+            .clone()
+            .or_else(|| file.and_then(|f| f.main_process_ip.clone()));
+        c.main_process_port = self
+            .main_process_port
+            .or(file.and_then(|f| f.main_process_port));
+        c.cpu = self.cpu || file.is_some_and(|f| f.use_cpu);
         c.timeout = self.timeout.map(Duration::from_secs_f64);
         c.job_token = std::env::var(accel_dist::process::ENV_JOB_TOKEN).ok();
-        c
+
+        let precision: PrecisionType = match (&self.mixed_precision, file) {
+            (Some(p), _) => p.parse()?,
+            (None, Some(f)) => f.precision()?.unwrap_or_default(),
+            (None, None) => PrecisionType::No,
+        };
+        c.extra_env
+            .push((ENV_MIXED_PRECISION.to_string(), precision.to_string()));
+        let gpu_ids = self
+            .gpu_ids
+            .clone()
+            .or_else(|| file.and_then(|f| f.gpu_ids.clone()));
+        if let Some(ids) = gpu_ids.filter(|ids| ids != "all") {
+            c.extra_env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids));
+        }
+        if let Some(f) = file {
+            if f.debug {
+                c.extra_env
+                    .push(("ACCELERATE_DEBUG_MODE".to_string(), "true".to_string()));
+            }
+            if f.distributed()? == DistributedType::Fsdp {
+                let fsdp = f.fsdp_config.clone().unwrap_or_default();
+                c.extra_env.extend(fsdp.launch_env());
+            }
+        }
+        Ok(c)
     }
 }
 
 /// Starts the ranks and waits; the error names the first rank that failed.
 pub fn launch(args: &LaunchArgs) -> Result<()> {
-    let plan = launch::plan(&args.to_config())?;
+    let file = args.load_config_file()?;
+    let plan = launch::plan(&args.to_config(file.as_ref())?)?;
     let options = RunOptions {
         prefix_output: !args.no_prefix,
         ..Default::default()
     };
     launch::run(&plan, &options)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(flags: &[&str]) -> LaunchArgs {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Wrap {
+            #[command(flatten)]
+            a: LaunchArgs,
+        }
+        let mut argv = vec!["accel"];
+        argv.extend_from_slice(flags);
+        argv.push("prog");
+        Wrap::parse_from(argv).a
+    }
+
+    fn file() -> ClusterConfig {
+        ClusterConfig {
+            distributed_type: "MULTI_GPU".into(),
+            num_processes: Some(4),
+            num_machines: 2,
+            machine_rank: 1,
+            main_process_ip: Some("10.0.0.1".into()),
+            main_process_port: Some(29500),
+            mixed_precision: Some("bf16".into()),
+            use_cpu: true,
+            gpu_ids: Some("0,1".into()),
+            ..ClusterConfig::default()
+        }
+    }
+
+    fn env<'a>(c: &'a LaunchConfig, k: &str) -> Option<&'a str> {
+        c.extra_env
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn the_config_file_fills_in_flags_that_were_not_given() -> Result<()> {
+        let c = args(&[]).to_config(Some(&file()))?;
+        assert_eq!((c.num_processes, c.num_machines, c.machine_rank), (4, 2, 1));
+        assert_eq!(c.main_process_ip.as_deref(), Some("10.0.0.1"));
+        assert_eq!(c.main_process_port, Some(29500));
+        assert!(c.cpu);
+        assert_eq!(env(&c, ENV_MIXED_PRECISION), Some("bf16"));
+        assert_eq!(env(&c, "CUDA_VISIBLE_DEVICES"), Some("0,1"));
+        Ok(())
+    }
+
+    #[test]
+    fn flags_given_override_the_config_file() -> Result<()> {
+        let a = args(&[
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--machine_rank",
+            "0",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            "1234",
+            "--mixed_precision",
+            "fp16",
+            "--gpu_ids",
+            "all",
+        ]);
+        let c = a.to_config(Some(&file()))?;
+        assert_eq!((c.num_processes, c.num_machines, c.machine_rank), (2, 1, 0));
+        assert_eq!(c.main_process_ip.as_deref(), Some("127.0.0.1"));
+        assert_eq!(c.main_process_port, Some(1234));
+        assert_eq!(env(&c, ENV_MIXED_PRECISION), Some("fp16"));
+        assert_eq!(env(&c, "CUDA_VISIBLE_DEVICES"), None);
+        Ok(())
+    }
+
+    #[test]
+    fn without_a_file_the_built_in_defaults_apply() -> Result<()> {
+        let c = args(&[]).to_config(None)?;
+        assert_eq!((c.num_processes, c.num_machines, c.machine_rank), (1, 1, 0));
+        assert!(!c.cpu && c.main_process_ip.is_none());
+        assert_eq!(env(&c, ENV_MIXED_PRECISION), Some("no"));
+        Ok(())
+    }
+
+    #[test]
+    fn unusable_file_values_are_named() {
+        let mut f = file();
+        f.num_processes = Some(-1);
+        let e = args(&[]).to_config(Some(&f)).unwrap_err().to_string();
+        assert!(e.contains("num_processes"), "{e}");
+        assert!(args(&["--num_processes", "2"]).to_config(Some(&f)).is_ok());
+        let mut f = file();
+        f.distributed_type = "DEEPSPEED".into();
+        let e = args(&[]).to_config(Some(&f)).unwrap_err().to_string();
+        assert!(e.contains("DEEPSPEED"), "{e}");
+        let e = args(&["--mixed_precision", "fp8"])
+            .to_config(None)
+            .unwrap_err();
+        assert!(e.to_string().contains("mixed_precision"), "{e}");
+    }
+
+    #[test]
+    fn an_fsdp_file_exports_fsdp_variables() -> Result<()> {
+        let mut f = file();
+        f.distributed_type = "FSDP".into();
+        let c = args(&[]).to_config(Some(&f))?;
+        assert_eq!(env(&c, "ACCELERATE_USE_FSDP"), Some("true"));
+        assert_eq!(env(&c, "FSDP_SHARDING_STRATEGY"), Some("FULL_SHARD"));
+        Ok(())
+    }
 }

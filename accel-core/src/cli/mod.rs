@@ -1,11 +1,15 @@
 //! The `accel` command line: argument structs (one per subcommand, 1:1 with
 //! the flags) and the pure functions each subcommand runs.
 
+mod config_cmd;
 mod device_map_cmd;
+mod env_cmd;
 mod estimate_cmd;
 mod launch_cmd;
 
+pub use config_cmd::{ask_config, config_command, ConfigArgs, ConfigCommand, ConfigDefaultArgs};
 pub use device_map_cmd::{device_map, read_model_tree, DeviceMapArgs};
+pub use env_cmd::{env_report, EnvArgs};
 pub use estimate_cmd::{convert_bytes, estimate_memory, estimate_rows, EstimateArgs, EstimateRow};
 pub use launch_cmd::{launch, LaunchArgs};
 
@@ -27,8 +31,12 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Write `default_config.yaml` by answering questions (or `default` for a basic one).
+    Config(ConfigArgs),
     /// Plan where each module of a model goes, as Accelerate's `infer_auto_device_map`.
     DeviceMap(DeviceMapArgs),
+    /// Print versions, the machine and the active config, for bug reports.
+    Env(EnvArgs),
     /// What a checkpoint needs to load and to train, per dtype.
     EstimateMemory(EstimateArgs),
     /// Run a program on several processes with torchrun's environment variables.

@@ -1,0 +1,123 @@
+//! What this machine and build can do (CUDA, NCCL, bf16), and the
+//! `ACCELERATE_*` variables `accel launch` hands to each rank.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{AcceleratorConfig, Error, PrecisionType, Result};
+
+/// The variable `accel launch` sets to the run's precision (`no`, `fp16`, `bf16`).
+pub const ENV_MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
+
+/// The candle release accel-rs is built on (pinned in the workspace manifest).
+pub const CANDLE_VERSION: &str = "0.11.1";
+
+/// True when this build has CUDA (`cuda` feature, checked with candle's
+/// `cuda_is_available`) and a CUDA device can be opened.
+pub fn is_cuda_available() -> bool {
+    candle_core::utils::cuda_is_available() && Device::new_cuda(0).is_ok()
+}
+
+/// True when this build has NCCL (`nccl` feature) and CUDA is available.
+pub fn is_nccl_available() -> bool {
+    cfg!(feature = "nccl") && is_cuda_available()
+}
+
+/// True when bf16 compute works: always on the CPU; on CUDA, when a small
+/// bf16 matmul succeeds on device 0 (it needs compute capability 8.0+), as
+/// Accelerate's `is_bf16_available` asks `torch.cuda.is_bf16_supported()`.
+pub fn is_bf16_available() -> bool {
+    if !is_cuda_available() {
+        return true;
+    }
+    let probe = || -> candle_core::Result<()> {
+        let dev = Device::new_cuda(0)?;
+        let a = Tensor::ones((2, 2), DType::BF16, &dev)?;
+        a.matmul(&a)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        Ok(())
+    };
+    probe().is_ok()
+}
+
+/// How many CUDA devices can be opened (0 without the `cuda` feature).
+pub fn cuda_device_count() -> usize {
+    if !candle_core::utils::cuda_is_available() {
+        return 0;
+    }
+    // candle has no count query; open devices until one fails (64 is far above any node).
+    (0..64).take_while(|&i| Device::new_cuda(i).is_ok()).count()
+}
+
+/// Total memory of this machine in bytes, from `/proc/meminfo` (`None` elsewhere).
+pub fn total_ram_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The precision `accel launch` exported (`ACCELERATE_MIXED_PRECISION`), if any.
+///
+/// # Errors
+/// [`Error::Config`] naming the variable when its value is not `no`, `fp16` or `bf16`.
+pub fn precision_from_env() -> Result<Option<PrecisionType>> {
+    match std::env::var(ENV_MIXED_PRECISION) {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map(Some).map_err(|e| match e {
+            Error::Config { reason, .. } => Error::Config {
+                key: ENV_MIXED_PRECISION.into(),
+                reason,
+            },
+            other => other,
+        }),
+        _ => Ok(None),
+    }
+}
+
+impl AcceleratorConfig {
+    /// The default configuration with the precision `accel launch` exported
+    /// (`ACCELERATE_MIXED_PRECISION`), as Accelerate's `Accelerator()` picks it
+    /// up when no `mixed_precision` argument is given.
+    ///
+    /// # Errors
+    /// As [`precision_from_env`].
+    pub fn from_env() -> Result<Self> {
+        Self::default().with_env_precision()
+    }
+
+    /// Takes the precision from `ACCELERATE_MIXED_PRECISION` when that is set
+    /// and this config still has the default (`no`); an explicit choice wins.
+    ///
+    /// # Errors
+    /// As [`precision_from_env`].
+    pub fn with_env_precision(mut self) -> Result<Self> {
+        if self.mixed_precision == PrecisionType::No {
+            if let Some(p) = precision_from_env()? {
+                self.mixed_precision = p;
+            }
+        }
+        Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_candle_version_matches_the_workspace_pin() {
+        let manifest = include_str!("../../../Cargo.toml");
+        let want = format!("candle-core = \"{CANDLE_VERSION}\"");
+        assert!(manifest.contains(&want), "update CANDLE_VERSION");
+    }
+
+    #[test]
+    fn a_cpu_build_reports_no_cuda_and_bf16() {
+        if !cfg!(feature = "cuda") {
+            assert!(!is_cuda_available());
+            assert!(!is_nccl_available());
+            assert_eq!(cuda_device_count(), 0);
+        }
+        // Either the CPU (always) or a working CUDA probe.
+        let _ = is_bf16_available();
+        assert!(total_ram_bytes().is_none_or(|b| b > 0));
+    }
+}

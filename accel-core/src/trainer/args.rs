@@ -1,0 +1,446 @@
+//! [`TrainingArguments`]: the settings of a [`super::Trainer`], named and
+//! defaulted as in transformers' `TrainingArguments` where they apply.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::accelerator::{AcceleratorConfig, ProjectConfiguration};
+use crate::precision::PrecisionType;
+use crate::scheduler::Schedule;
+use crate::{Error, Result};
+
+/// When an action (evaluation, saving) happens, as transformers' `IntervalStrategy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum IntervalStrategy {
+    /// Never.
+    #[default]
+    No,
+    /// Every `*_steps` optimizer steps.
+    Steps,
+    /// At the end of every epoch.
+    Epoch,
+}
+
+impl FromStr for IntervalStrategy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "no" | "none" => Ok(Self::No),
+            "steps" => Ok(Self::Steps),
+            "epoch" => Ok(Self::Epoch),
+            other => Err(Error::Config {
+                key: "strategy".into(),
+                reason: format!("unknown strategy `{other}`; expected no, steps or epoch"),
+            }),
+        }
+    }
+}
+
+/// The learning-rate schedule, as transformers' `SchedulerType` (the ones
+/// [`Schedule`] implements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SchedulerType {
+    /// Warm-up, then linear decay to 0 (transformers' default).
+    #[default]
+    Linear,
+    /// Warm-up, then half a cosine down to 0.
+    Cosine,
+    /// The base rate throughout (warm-up ignored, as in transformers).
+    Constant,
+    /// Warm-up, then the base rate.
+    ConstantWithWarmup,
+}
+
+impl FromStr for SchedulerType {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "linear" => Ok(Self::Linear),
+            "cosine" => Ok(Self::Cosine),
+            "constant" => Ok(Self::Constant),
+            "constant_with_warmup" => Ok(Self::ConstantWithWarmup),
+            other => Err(Error::Config {
+                key: "lr_scheduler_type".into(),
+                reason: format!(
+                    "unknown schedule `{other}`; expected linear, cosine, constant or constant_with_warmup"
+                ),
+            }),
+        }
+    }
+}
+
+/// Everything that shapes a [`super::Trainer`] run.
+///
+/// ```
+/// use accel_core::trainer::{IntervalStrategy, TrainingArguments};
+/// let args = TrainingArguments::new("runs/demo")
+///     .with_max_steps(100)
+///     .with_eval_strategy(IntervalStrategy::Steps, 20);
+/// assert_eq!(args.learning_rate, 5e-5);
+/// assert_eq!(args.num_training_steps(10), 100);
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainingArguments {
+    /// Run folder: `checkpoints/checkpoint_{n}`, tracker logs under `{run_name}/`.
+    pub output_dir: PathBuf,
+    /// Tracker project name (the folder under `output_dir` the trackers write in).
+    pub run_name: String,
+    /// Passes over the training data when `max_steps` is not positive (may be fractional).
+    pub num_train_epochs: f64,
+    /// Optimizer steps to run; -1 derives them from `num_train_epochs`.
+    pub max_steps: i64,
+    /// Samples per micro-batch and process, for training.
+    pub per_device_train_batch_size: usize,
+    /// Samples per batch and process, for evaluation.
+    pub per_device_eval_batch_size: usize,
+    /// Micro-batches per optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Peak learning rate of AdamW.
+    pub learning_rate: f64,
+    /// AdamW's decoupled weight decay (applied to every parameter).
+    pub weight_decay: f64,
+    /// AdamW's first-moment decay.
+    pub adam_beta1: f64,
+    /// AdamW's second-moment decay.
+    pub adam_beta2: f64,
+    /// AdamW's denominator epsilon.
+    pub adam_epsilon: f64,
+    /// Clip gradients to this global L2 norm; 0 disables clipping.
+    pub max_grad_norm: f64,
+    /// The learning-rate schedule.
+    pub lr_scheduler_type: SchedulerType,
+    /// Warm-up optimizer steps; when 0, `warmup_ratio` of the total is used.
+    pub warmup_steps: u64,
+    /// Fraction of the optimizer steps spent warming up (when `warmup_steps` is 0).
+    pub warmup_ratio: f64,
+    /// Log the training loss every this many optimizer steps; 0 never.
+    pub logging_steps: u64,
+    /// When to evaluate.
+    pub eval_strategy: IntervalStrategy,
+    /// Evaluate every this many steps (with `Steps`); `None` uses `logging_steps`.
+    pub eval_steps: Option<u64>,
+    /// When to save a checkpoint.
+    pub save_strategy: IntervalStrategy,
+    /// Save every this many steps (with `Steps`).
+    pub save_steps: u64,
+    /// Keep at most this many checkpoints, deleting the oldest.
+    pub save_total_limit: Option<usize>,
+    /// Seed of initialisation and data order.
+    pub seed: u64,
+    /// Precision mode, overridden by `bf16` / `fp16`.
+    pub mixed_precision: PrecisionType,
+    /// Compute in bf16 (transformers' flag).
+    pub bf16: bool,
+    /// Compute in fp16 with a loss scale (transformers' flag).
+    pub fp16: bool,
+    /// Trackers: `jsonl`, `tensorboard`, `all` or `none`.
+    pub report_to: Vec<String>,
+    /// A checkpoint folder to resume from, or `"latest"` for the newest in `output_dir`.
+    pub resume_from_checkpoint: Option<String>,
+    /// Drop the short last training batch of each epoch.
+    pub dataloader_drop_last: bool,
+    /// Hide the progress bar.
+    pub disable_tqdm: bool,
+    /// Train on the CPU even when a GPU is available.
+    pub use_cpu: bool,
+}
+
+impl Default for TrainingArguments {
+    fn default() -> Self {
+        Self {
+            output_dir: PathBuf::from("trainer_output"),
+            run_name: "trainer".into(),
+            num_train_epochs: 3.0,
+            max_steps: -1,
+            per_device_train_batch_size: 8,
+            per_device_eval_batch_size: 8,
+            gradient_accumulation_steps: 1,
+            learning_rate: 5e-5,
+            weight_decay: 0.0,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            max_grad_norm: 1.0,
+            lr_scheduler_type: SchedulerType::Linear,
+            warmup_steps: 0,
+            warmup_ratio: 0.0,
+            logging_steps: 500,
+            eval_strategy: IntervalStrategy::No,
+            eval_steps: None,
+            save_strategy: IntervalStrategy::Steps,
+            save_steps: 500,
+            save_total_limit: None,
+            seed: 42,
+            mixed_precision: PrecisionType::No,
+            bf16: false,
+            fp16: false,
+            report_to: vec!["jsonl".into()],
+            resume_from_checkpoint: None,
+            dataloader_drop_last: false,
+            disable_tqdm: false,
+            use_cpu: false,
+        }
+    }
+}
+
+impl TrainingArguments {
+    /// The defaults, writing into `output_dir`.
+    pub fn new(output_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            output_dir: output_dir.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Runs exactly `steps` optimizer steps.
+    pub fn with_max_steps(mut self, steps: i64) -> Self {
+        self.max_steps = steps;
+        self
+    }
+
+    /// Sets both per-device batch sizes.
+    pub fn with_batch_size(mut self, batch_size: usize) -> Self {
+        self.per_device_train_batch_size = batch_size;
+        self.per_device_eval_batch_size = batch_size;
+        self
+    }
+
+    /// Sets the peak learning rate.
+    pub fn with_learning_rate(mut self, lr: f64) -> Self {
+        self.learning_rate = lr;
+        self
+    }
+
+    /// Logs every `steps` optimizer steps.
+    pub fn with_logging_steps(mut self, steps: u64) -> Self {
+        self.logging_steps = steps;
+        self
+    }
+
+    /// Evaluates with `strategy`, every `steps` steps for `Steps`.
+    pub fn with_eval_strategy(mut self, strategy: IntervalStrategy, steps: u64) -> Self {
+        self.eval_strategy = strategy;
+        self.eval_steps = Some(steps);
+        self
+    }
+
+    /// Saves with `strategy`, every `steps` steps for `Steps`.
+    pub fn with_save_strategy(mut self, strategy: IntervalStrategy, steps: u64) -> Self {
+        self.save_strategy = strategy;
+        self.save_steps = steps;
+        self
+    }
+
+    /// Resumes from a checkpoint folder or `"latest"`.
+    pub fn with_resume_from_checkpoint(mut self, checkpoint: impl Into<String>) -> Self {
+        self.resume_from_checkpoint = Some(checkpoint.into());
+        self
+    }
+
+    /// The precision mode after the `bf16` / `fp16` flags.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when both flags are set.
+    pub fn precision(&self) -> Result<PrecisionType> {
+        match (self.bf16, self.fp16) {
+            (true, true) => Err(config("bf16/fp16", "set at most one of bf16 and fp16")),
+            (true, false) => Ok(PrecisionType::Bf16),
+            (false, true) => Ok(PrecisionType::Fp16),
+            (false, false) => Ok(self.mixed_precision),
+        }
+    }
+
+    /// The evaluation interval in steps (`eval_steps`, else `logging_steps`).
+    pub fn eval_interval(&self) -> u64 {
+        self.eval_steps.unwrap_or(self.logging_steps)
+    }
+
+    /// Optimizer steps of the run, given the optimizer steps in one epoch.
+    pub fn num_training_steps(&self, steps_per_epoch: u64) -> u64 {
+        if self.max_steps > 0 {
+            self.max_steps as u64
+        } else {
+            (self.num_train_epochs * steps_per_epoch as f64).ceil() as u64
+        }
+    }
+
+    /// Warm-up steps: `warmup_steps` when set, else `ceil(warmup_ratio * total)`
+    /// (transformers' `get_warmup_steps`).
+    pub fn num_warmup_steps(&self, total: u64) -> u64 {
+        if self.warmup_steps > 0 {
+            self.warmup_steps
+        } else {
+            (self.warmup_ratio * total as f64).ceil() as u64
+        }
+    }
+
+    /// The schedule over `total` optimizer steps.
+    pub fn schedule(&self, total: u64) -> Schedule {
+        let warmup = self.num_warmup_steps(total);
+        match self.lr_scheduler_type {
+            SchedulerType::Linear => Schedule::Linear { warmup, total },
+            SchedulerType::Cosine => Schedule::Cosine { warmup, total },
+            SchedulerType::Constant => Schedule::Constant,
+            SchedulerType::ConstantWithWarmup => Schedule::ConstantWithWarmup { warmup },
+        }
+    }
+
+    /// Checks settings that would otherwise fail deep inside a run.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the setting at fault.
+    pub fn validate(&self) -> Result<()> {
+        self.precision()?;
+        if self.per_device_train_batch_size == 0 || self.per_device_eval_batch_size == 0 {
+            return Err(config("per_device_*_batch_size", "must be at least 1"));
+        }
+        if self.gradient_accumulation_steps == 0 {
+            return Err(config("gradient_accumulation_steps", "must be at least 1"));
+        }
+        if self.max_steps <= 0 && self.num_train_epochs <= 0.0 {
+            return Err(config(
+                "num_train_epochs",
+                "must be positive when max_steps is -1",
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.warmup_ratio) {
+            return Err(config("warmup_ratio", "must lie in [0, 1]"));
+        }
+        if self.eval_strategy == IntervalStrategy::Steps && self.eval_interval() == 0 {
+            return Err(config(
+                "eval_steps",
+                "must be positive with eval_strategy steps",
+            ));
+        }
+        if self.save_strategy == IntervalStrategy::Steps && self.save_steps == 0 {
+            return Err(config(
+                "save_steps",
+                "must be positive with save_strategy steps",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The trackers to start: `report_to` without `none`.
+    pub fn trackers(&self) -> Vec<String> {
+        self.report_to
+            .iter()
+            .filter(|n| !n.eq_ignore_ascii_case("none"))
+            .cloned()
+            .collect()
+    }
+
+    /// The Accelerator settings of this run: precision, accumulation, seed,
+    /// `output_dir` with automatic checkpoint naming and `save_total_limit`,
+    /// and the trackers.
+    ///
+    /// The scheduler steps once per optimizer step whatever the world size
+    /// (as transformers, which does not hand its scheduler to Accelerate), so
+    /// a schedule's length is the number of optimizer steps every process takes.
+    ///
+    /// # Errors
+    /// As [`TrainingArguments::validate`], or when `output_dir` cannot be listed.
+    pub fn accelerator_config(&self) -> Result<AcceleratorConfig> {
+        self.validate()?;
+        let mut project = ProjectConfiguration::automatic(&self.output_dir);
+        project.total_limit = self.save_total_limit;
+        // Number new checkpoints after any already there, so a second run (or a
+        // resume from an explicit folder) never collides with an existing one.
+        let existing = crate::checkpoint::list_checkpoints(self.output_dir.join("checkpoints"))?;
+        project.iteration = existing.last().map_or(0, |(n, _)| n + 1);
+        let mut config = AcceleratorConfig::default()
+            .with_mixed_precision(self.precision()?)
+            .with_gradient_accumulation_steps(self.gradient_accumulation_steps)
+            .with_seed(self.seed)
+            .with_project(project)
+            .with_log_with(self.trackers());
+        config.step_scheduler_with_optimizer = false;
+        if self.use_cpu {
+            config = config.with_device(candle_core::Device::Cpu);
+        }
+        Ok(config)
+    }
+}
+
+fn config(key: &str, reason: &str) -> Error {
+    Error::Config {
+        key: key.into(),
+        reason: reason.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_follow_transformers() {
+        let a = TrainingArguments::default();
+        assert_eq!(a.learning_rate, 5e-5);
+        assert_eq!(a.max_grad_norm, 1.0);
+        assert_eq!(a.max_steps, -1);
+        assert_eq!(a.num_train_epochs, 3.0);
+        assert_eq!(a.per_device_train_batch_size, 8);
+        assert_eq!(a.lr_scheduler_type, SchedulerType::Linear);
+        assert_eq!(a.seed, 42);
+    }
+
+    #[test]
+    fn steps_come_from_epochs_unless_max_steps_is_positive() {
+        let mut a = TrainingArguments::new("out");
+        a.num_train_epochs = 2.5;
+        assert_eq!(a.num_training_steps(4), 10);
+        a.max_steps = 7;
+        assert_eq!(a.num_training_steps(4), 7);
+    }
+
+    #[test]
+    fn warmup_ratio_rounds_up_and_warmup_steps_win() {
+        let mut a = TrainingArguments::new("out");
+        a.warmup_ratio = 0.1;
+        assert_eq!(a.num_warmup_steps(15), 2);
+        a.warmup_steps = 5;
+        assert_eq!(a.num_warmup_steps(15), 5);
+        a.lr_scheduler_type = SchedulerType::Cosine;
+        assert_eq!(
+            a.schedule(15),
+            Schedule::Cosine {
+                warmup: 5,
+                total: 15
+            }
+        );
+    }
+
+    #[test]
+    fn precision_flags_override_and_conflict() {
+        let mut a = TrainingArguments::new("out");
+        a.bf16 = true;
+        assert_eq!(a.precision().unwrap(), PrecisionType::Bf16);
+        a.fp16 = true;
+        assert!(a.validate().is_err());
+    }
+
+    #[test]
+    fn names_parse_as_in_transformers() {
+        assert_eq!(
+            "constant_with_warmup".parse::<SchedulerType>().unwrap(),
+            SchedulerType::ConstantWithWarmup
+        );
+        assert_eq!(
+            "epoch".parse::<IntervalStrategy>().unwrap(),
+            IntervalStrategy::Epoch
+        );
+        assert!("sometimes".parse::<IntervalStrategy>().is_err());
+    }
+
+    #[test]
+    fn report_to_none_starts_no_tracker() {
+        let mut a = TrainingArguments::new("out");
+        a.report_to = vec!["none".into()];
+        assert!(a.trackers().is_empty());
+    }
+}

@@ -1,0 +1,340 @@
+//! The [`Trainer`]: transformers' high-level training loop, run on the [`Accelerator`].
+//!
+//! A model implements [`TrainModel`] ("the loss of a batch"); the Trainer
+//! owns everything else: the Accelerator built from [`TrainingArguments`],
+//! AdamW, the schedule, the loaders, logging, evaluation and checkpoints.
+//!
+//! ```no_run
+//! use accel_core::data::TensorDataset;
+//! use accel_core::trainer::{TrainModel, Trainer, TrainingArguments};
+//! use candle_core::Tensor;
+//! use candle_nn::{Linear, Module};
+//!
+//! struct Regression(Linear);
+//! impl TrainModel for Regression {
+//!     type Batch = Vec<Tensor>;
+//!     fn loss(&self, b: &Vec<Tensor>) -> accel_core::Result<Tensor> {
+//!         Ok(self.0.forward(&b[0])?.sub(&b[1])?.sqr()?.mean_all()?)
+//!     }
+//! }
+//! # fn main() -> accel_core::Result<()> {
+//! # let train: TensorDataset = unimplemented!();
+//! let args = TrainingArguments::new("runs/regression").with_max_steps(100);
+//! let mut trainer = Trainer::new(args, |vb| Ok(Regression(candle_nn::linear(3, 1, vb)?)), train, None)?;
+//! let out = trainer.train()?;
+//! println!("{} steps, loss {}", out.global_step, out.training_loss);
+//! # Ok(()) }
+//! ```
+
+mod args;
+mod batch_size;
+mod state;
+mod train_loop;
+
+pub use args::{IntervalStrategy, SchedulerType, TrainingArguments};
+pub use batch_size::{find_executable_batch_size, is_out_of_memory, reduce_batch_size};
+pub use state::TrainerState;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{DType, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+
+use crate::data::{DataLoader, DataLoaderConfig, Dataset};
+use crate::optim::{AdamW, AdamWConfig, PreparedOptimizer};
+use crate::scheduler::{LrScheduler, PreparedScheduler};
+use crate::{Accelerator, PreparedModel, Result};
+use state::Counted;
+
+/// A model the [`Trainer`] can train: it computes the loss of a batch.
+///
+/// Only [`TrainModel::loss`] is required. Override
+/// [`TrainModel::sample_losses`] for an exact per-sample evaluation loss, and
+/// [`TrainModel::predictions`] to feed a metrics function.
+pub trait TrainModel {
+    /// What one batch is (for a `TensorDataset`, `Vec<Tensor>`).
+    type Batch;
+
+    /// The scalar loss to minimise on `batch` (a mean over its samples).
+    fn loss(&self, batch: &Self::Batch) -> Result<Tensor>;
+
+    /// One loss per sample of a batch of `n` samples, shape `(n,)`, in f32.
+    ///
+    /// The default repeats the batch mean `n` times, so the evaluation loss is
+    /// the mean over samples when `loss` is a per-sample mean.
+    fn sample_losses(&self, batch: &Self::Batch, n: usize) -> Result<Tensor> {
+        let loss = self.loss(batch)?.to_dtype(DType::F32)?.reshape(1)?;
+        Ok(loss.broadcast_as(n)?.contiguous()?)
+    }
+
+    /// Per-sample predictions and labels (dimension 0 = samples) for
+    /// [`ComputeMetrics`]; `None` (the default) skips metrics.
+    fn predictions(&self, _batch: &Self::Batch) -> Result<Option<Predictions>> {
+        Ok(None)
+    }
+}
+
+/// Predictions and labels of one batch, one row per sample.
+#[derive(Debug, Clone)]
+pub struct Predictions {
+    /// What the model predicted (e.g. class ids or logits).
+    pub predictions: Tensor,
+    /// The expected values.
+    pub labels: Tensor,
+}
+
+/// Turns the gathered predictions and labels of a whole evaluation set into
+/// named metrics (transformers' `compute_metrics`); the Trainer prefixes them with `eval_`.
+pub type ComputeMetrics = Box<dyn Fn(&Predictions) -> Result<BTreeMap<String, f64>>>;
+
+/// The result of [`Trainer::train`], as transformers' `TrainOutput`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainOutput {
+    /// Optimizer steps taken in total (including those before a resume).
+    pub global_step: u64,
+    /// Mean micro-batch loss of this run (over processes).
+    pub training_loss: f64,
+    /// `train_runtime` (s), `train_steps_per_second`, `train_loss`, `epoch`.
+    pub metrics: BTreeMap<String, f64>,
+}
+
+/// Trains a [`TrainModel`] on the [`Accelerator`] as transformers' `Trainer`.
+pub struct Trainer<M: TrainModel, D: Dataset<Batch = M::Batch>> {
+    args: TrainingArguments,
+    acc: Accelerator,
+    model: M,
+    params: PreparedModel,
+    opt: PreparedOptimizer,
+    sched: PreparedScheduler,
+    train_loader: DataLoader<Counted<D>>,
+    eval_loader: Option<DataLoader<Counted<D>>>,
+    compute_metrics: Option<ComputeMetrics>,
+    state: Arc<Mutex<TrainerState>>,
+    total_steps: u64,
+    steps_per_epoch: u64,
+    trackers_started: bool,
+}
+
+impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
+    /// Builds the Accelerator from `args` ([`TrainingArguments::accelerator_config`]),
+    /// the model from `build` (its parameters come from the given `VarBuilder`,
+    /// seeded from `args.seed`), and prepares everything for [`Trainer::train`].
+    ///
+    /// # Errors
+    /// Invalid arguments, a model that fails to build, or a process group that
+    /// cannot form.
+    pub fn new(
+        args: TrainingArguments,
+        build: impl FnOnce(VarBuilder<'static>) -> Result<M>,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+    ) -> Result<Self> {
+        let acc = Accelerator::new(args.accelerator_config()?)?;
+        Self::with_accelerator(acc, args, build, train_dataset, eval_dataset)
+    }
+
+    /// As [`Trainer::new`] on an Accelerator the caller configured (for a
+    /// device or process-group setting `args` does not cover). Its precision,
+    /// accumulation and project folder are the caller's, not `args`'.
+    ///
+    /// # Errors
+    /// As [`Trainer::new`].
+    pub fn with_accelerator(
+        mut acc: Accelerator,
+        args: TrainingArguments,
+        build: impl FnOnce(VarBuilder<'static>) -> Result<M>,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+    ) -> Result<Self> {
+        args.validate()?;
+        let varmap = VarMap::new();
+        let model = build(acc.var_builder(&varmap))?;
+        let params = acc.prepare_model(&varmap)?;
+        let opt = acc.prepare_optimizer(
+            &params,
+            AdamW::new(AdamWConfig {
+                lr: args.learning_rate,
+                beta1: args.adam_beta1,
+                beta2: args.adam_beta2,
+                eps: args.adam_epsilon,
+                weight_decay: args.weight_decay,
+            }),
+        );
+        let train_loader = acc.prepare_data_loader(DataLoader::new(
+            Counted(train_dataset),
+            DataLoaderConfig::new(args.per_device_train_batch_size)
+                .with_shuffle(true)
+                .with_drop_last(args.dataloader_drop_last),
+        ));
+        let eval_loader = eval_dataset.map(|d| {
+            acc.prepare_data_loader(DataLoader::new(
+                Counted(d),
+                DataLoaderConfig::new(args.per_device_eval_batch_size),
+            ))
+        });
+        // The loader ends an accumulation cycle at its last batch, so a short
+        // tail of micro-batches still makes an optimizer step: round up.
+        let batches = train_loader.len() as u64;
+        let steps_per_epoch = batches
+            .div_ceil(acc.gradient_accumulation_steps() as u64)
+            .max(1);
+        let total_steps = args.num_training_steps(steps_per_epoch);
+        let sched = acc.prepare_scheduler(
+            LrScheduler::new(args.schedule(total_steps), args.learning_rate),
+            &opt,
+        );
+        let state = Arc::new(Mutex::new(TrainerState::default()));
+        acc.register_for_checkpointing(state.clone());
+        Ok(Self {
+            args,
+            acc,
+            model,
+            params,
+            opt,
+            sched,
+            train_loader,
+            eval_loader,
+            compute_metrics: None,
+            state,
+            total_steps,
+            steps_per_epoch,
+            trackers_started: false,
+        })
+    }
+
+    /// Computes metrics from the gathered predictions at every evaluation.
+    pub fn with_compute_metrics(
+        mut self,
+        f: impl Fn(&Predictions) -> Result<BTreeMap<String, f64>> + 'static,
+    ) -> Self {
+        self.compute_metrics = Some(Box::new(f));
+        self
+    }
+
+    /// The arguments.
+    pub fn args(&self) -> &TrainingArguments {
+        &self.args
+    }
+
+    /// The Accelerator (rank, device, ...).
+    pub fn accelerator(&self) -> &Accelerator {
+        &self.acc
+    }
+
+    /// The Accelerator, to log extra values or save state by hand.
+    pub fn accelerator_mut(&mut self) -> &mut Accelerator {
+        &mut self.acc
+    }
+
+    /// The model.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The prepared parameters (fp32 master weights, gradients).
+    pub fn parameters(&self) -> &PreparedModel {
+        &self.params
+    }
+
+    /// Optimizer steps the run takes in total.
+    pub fn num_training_steps(&self) -> u64 {
+        self.total_steps
+    }
+
+    /// Optimizer steps in one pass over the training data (per process).
+    pub fn steps_per_epoch(&self) -> u64 {
+        self.steps_per_epoch
+    }
+
+    /// Optimizer steps taken so far.
+    pub fn global_step(&self) -> u64 {
+        self.lock_state().global_step
+    }
+
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, TrainerState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Evaluates on the evaluation set and logs the result at the current
+    /// step: `eval_loss` (mean over samples, over every process, without the
+    /// samples padded in for even batches) plus `eval_{name}` for every
+    /// metric of [`Trainer::with_compute_metrics`].
+    ///
+    /// # Errors
+    /// [`crate::Error::Usage`] without an evaluation set; model or collective errors.
+    pub fn evaluate(&mut self) -> Result<BTreeMap<String, f64>> {
+        self.start_trackers()?;
+        let step = self.global_step();
+        let metrics = evaluate_on(
+            &mut self.acc,
+            &self.model,
+            self.eval_loader.as_ref(),
+            self.compute_metrics.as_ref(),
+        )?;
+        let epoch = step as f64 / self.steps_per_epoch as f64;
+        let mut logged = metrics.clone();
+        logged.insert("epoch".into(), epoch);
+        self.acc.log(logged, Some(step))?;
+        Ok(metrics)
+    }
+
+    /// Starts the trackers of `report_to` once, recording the arguments.
+    fn start_trackers(&mut self) -> Result<()> {
+        if !self.trackers_started {
+            let init = serde_json::to_value(&self.args).expect("training arguments serialize");
+            self.acc.init_trackers(&self.args.run_name, &init)?;
+            self.trackers_started = true;
+        }
+        Ok(())
+    }
+
+    /// Saves the fp32 weights to `dir/model.safetensors` (main process only).
+    ///
+    /// # Errors
+    /// When the folder cannot be written.
+    pub fn save_model(&self, dir: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
+        self.acc.save_model(&self.params, dir, "10GB")
+    }
+}
+
+/// Runs the evaluation loop; a free function so the training loop can call it
+/// while it holds the training loader.
+fn evaluate_on<M: TrainModel, D: Dataset<Batch = M::Batch>>(
+    acc: &mut Accelerator,
+    model: &M,
+    loader: Option<&DataLoader<Counted<D>>>,
+    compute_metrics: Option<&ComputeMetrics>,
+) -> Result<BTreeMap<String, f64>> {
+    let Some(loader) = loader else {
+        crate::bail!("evaluate needs an eval_dataset");
+    };
+    let (mut loss_sum, mut samples) = (0f64, 0usize);
+    let (mut preds, mut labels) = (vec![], vec![]);
+    for batch in loader.iter() {
+        let (n, batch) = batch?;
+        let losses = model.sample_losses(&batch, n)?.to_dtype(DType::F32)?;
+        let losses = acc.gather_for_metrics(&losses)?;
+        samples += losses.dim(0)?;
+        loss_sum += losses.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        if compute_metrics.is_some() {
+            if let Some(p) = model.predictions(&batch)? {
+                preds.push(acc.gather_for_metrics(&p.predictions)?);
+                labels.push(acc.gather_for_metrics(&p.labels)?);
+            }
+        }
+    }
+    let mut metrics = BTreeMap::new();
+    metrics.insert("eval_loss".to_string(), loss_sum / samples.max(1) as f64);
+    if let (Some(f), false) = (compute_metrics, preds.is_empty()) {
+        let all = Predictions {
+            predictions: Tensor::cat(&preds, 0)?,
+            labels: Tensor::cat(&labels, 0)?,
+        };
+        for (k, v) in f(&all)? {
+            metrics.insert(format!("eval_{k}"), v);
+        }
+    }
+    Ok(metrics)
+}
