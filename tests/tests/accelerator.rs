@@ -414,3 +414,24 @@ fn trackers_record_logged_values() {
         .count();
     assert_eq!(events, 1);
 }
+
+#[test]
+fn loading_an_older_checkpoint_by_path_never_makes_the_next_save_collide() {
+    let dir = tempfile::tempdir().unwrap();
+    let make = || {
+        let mut a = acc(AcceleratorConfig::default()
+            .with_seed(0)
+            .with_project(accel_core::ProjectConfiguration::automatic(dir.path())));
+        let vm = VarMap::new();
+        candle_nn::linear(2, 2, a.var_builder(&vm)).unwrap();
+        a.prepare_model(&vm).unwrap();
+        a
+    };
+    let mut a = make();
+    let first = a.save_state(None).unwrap();
+    a.save_state(None).unwrap();
+    let mut b = make();
+    b.load_state(Some(&first)).unwrap();
+    let next = b.save_state(None).unwrap();
+    assert_eq!(next.file_name().unwrap(), "checkpoint_2");
+}

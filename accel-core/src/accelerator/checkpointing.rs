@@ -168,6 +168,13 @@ impl Accelerator {
                 what: "checkpoint folder".into(),
             });
         }
+        if self.config.project.automatic_checkpoint_naming {
+            // Whatever folder was loaded, the next automatic save must not
+            // collide with a checkpoint already on disk.
+            if let Some((n, _)) = checkpoint::list_checkpoints(self.checkpoints_dir())?.pop() {
+                self.config.project.iteration = self.config.project.iteration.max(n + 1);
+            }
+        }
         let dev = self.device().clone();
         let load = |s: &str| checkpoint::load_state_dict(&dir, s, &dev);
         let optim: Vec<StateDict> = (0..self.optimizers.len())
