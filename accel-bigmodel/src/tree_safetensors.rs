@@ -159,3 +159,57 @@ mod tests {
         );
     }
 }
+
+impl ModuleTree {
+    /// Builds a tree from the variables of a candle `VarMap` (names, shapes,
+    /// dtypes), in natural name order since a `VarMap` does not keep creation
+    /// order. Variables that share storage are not detected; declare tied
+    /// weights with [`ModuleTree::tie`].
+    ///
+    /// # Errors
+    /// A dtype with no torch equivalent, or names that clash.
+    pub fn from_varmap(varmap: &candle_nn::VarMap) -> Result<Self> {
+        let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
+        let mut entries: Vec<(String, Vec<usize>, candle_core::DType)> = data
+            .iter()
+            .map(|(n, v)| (n.clone(), v.dims().to_vec(), v.dtype()))
+            .collect();
+        drop(data);
+        entries.sort_by(|a, b| natural_cmp(&a.0, &b.0));
+        let tensors = entries
+            .into_iter()
+            .map(|(n, shape, dtype)| Ok((n, shape, crate::DTypeName::try_from(dtype)?)))
+            .collect::<Result<Vec<_>>>()?;
+        ModuleTree::from_tensors(tensors)
+    }
+}
+
+#[cfg(test)]
+mod varmap_tests {
+    use super::*;
+
+    #[test]
+    fn a_varmap_becomes_a_tree_sized_like_its_variables() {
+        let vm = candle_nn::VarMap::new();
+        let vb = candle_nn::VarBuilder::from_varmap(
+            &vm,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        );
+        for i in [10, 2] {
+            candle_nn::linear(4, 3, vb.pp(format!("h.{i}"))).unwrap();
+        }
+        let tree = ModuleTree::from_varmap(&vm).unwrap();
+        let sizes = crate::compute_module_sizes(&tree, None, None);
+        assert_eq!(sizes.get("").as_f64(), (2 * (4 * 3 + 3) * 4) as f64);
+        assert_eq!(sizes.get("h.2").as_f64(), ((4 * 3 + 3) * 4) as f64);
+        // Natural order: h.2 is registered before h.10.
+        let names: Vec<&str> = tree
+            .parameters()
+            .iter()
+            .map(|&id| tree.tensor(id).name.as_str())
+            .collect();
+        assert_eq!(names[0], "h.2.bias");
+        assert_eq!(names[2], "h.10.bias");
+    }
+}
