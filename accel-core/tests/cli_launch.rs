@@ -61,3 +61,31 @@ fn a_program_that_does_not_exist_is_named() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("/no/such/program"));
 }
+
+#[test]
+fn enable_cpu_affinity_reaches_every_rank() {
+    let out = accel()
+        .args([
+            "launch",
+            "--num_processes",
+            "2",
+            "--cpu",
+            "--enable_cpu_affinity",
+            "sh",
+            "-c",
+        ])
+        .arg("echo affinity=$ACCELERATE_CPU_AFFINITY")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        text.lines().filter(|l| l.ends_with("affinity=1")).count(),
+        2,
+        "{text}"
+    );
+}

@@ -22,6 +22,7 @@
 // Only a future NCCL backend may opt back in, in its own audited file.
 #![deny(unsafe_code)]
 
+pub mod affinity;
 pub mod backend;
 mod buffer;
 mod communicator;

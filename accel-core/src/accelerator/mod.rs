@@ -88,6 +88,14 @@ impl Accelerator {
             None => default_device()?,
         };
         let state = ProcessState::from_env(device)?;
+        if std::env::var(accel_dist::affinity::ENV_CPU_AFFINITY).is_ok_and(|v| v == "1") {
+            let local_world = std::env::var("LOCAL_WORLD_SIZE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1);
+            let cpus = accel_dist::affinity::set_numa_affinity(state.local_rank, local_world)?;
+            tracing::info!(local_rank = state.local_rank, ?cpus, "pinned to CPUs");
+        }
         let mut pg_config = ProcessGroupConfig::from_env()?;
         if let Some(kwargs) = &config.init_kwargs {
             pg_config = pg_config.with_kwargs(kwargs);

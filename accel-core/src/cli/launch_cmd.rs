@@ -45,6 +45,9 @@ pub struct LaunchArgs {
     /// Train on the CPU (the default config file is then not read, as in Accelerate).
     #[arg(long)]
     pub cpu: bool,
+    /// Pin each local rank to its share of a NUMA node's CPUs.
+    #[arg(long = "enable_cpu_affinity", visible_alias = "enable-cpu-affinity")]
+    pub enable_cpu_affinity: bool,
     /// Seconds a collective waits for a missing rank before failing.
     #[arg(long)]
     pub timeout: Option<f64>,
@@ -131,6 +134,12 @@ impl LaunchArgs {
                 let fsdp = f.fsdp_config.clone().unwrap_or_default();
                 c.extra_env.extend(fsdp.launch_env());
             }
+        }
+        if self.enable_cpu_affinity || file.is_some_and(|f| f.enable_cpu_affinity) {
+            c.extra_env.push((
+                accel_dist::affinity::ENV_CPU_AFFINITY.to_string(),
+                "1".to_string(),
+            ));
         }
         Ok(c)
     }
