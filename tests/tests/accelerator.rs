@@ -2,7 +2,7 @@
 //! accumulation, clipping, seeding, checkpoints and bad checkpoint input.
 
 use accel_core::data::{DataLoader, DataLoaderConfig, TensorDataset};
-use accel_core::optim::{AdamW, AdamWConfig, Sgd, SgdConfig};
+use accel_core::optim::{transformers_no_decay, AdamW, AdamWConfig, Sgd, SgdConfig};
 use accel_core::{
     Accelerator, AcceleratorConfig, GradScalerConfig, GradientAccumulationPlugin, PrecisionType,
 };
@@ -184,6 +184,58 @@ fn bf16_model_weights_are_the_rounded_fp32_masters_after_each_step() {
             "{name}"
         );
     }
+}
+
+#[test]
+fn prepare_optimizer_passes_names_so_biases_skip_weight_decay() {
+    let mut a = acc(AcceleratorConfig::default().with_seed(5));
+    let vm = VarMap::new();
+    let lin = candle_nn::linear(4, 3, a.var_builder(&vm)).unwrap();
+    let model = a.prepare_model(&vm).unwrap();
+    let (lr, wd) = (0.1, 2.0);
+    let mut opt = a.prepare_optimizer(
+        &model,
+        AdamW::new(AdamWConfig {
+            lr,
+            weight_decay: wd,
+            ..Default::default()
+        })
+        .with_no_decay(transformers_no_decay),
+    );
+    let before: Vec<(String, Vec<f32>)> = model
+        .master_weights()
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1().unwrap()))
+        .collect();
+    // With a zero input the weight's gradient is 0, so Adam leaves it alone and
+    // only decoupled decay moves it; the bias (gradient 2) must step exactly as
+    // AdamW without weight decay.
+    let x = Tensor::zeros((2, 4), DType::F32, &Device::Cpu).unwrap();
+    backward_sum(&mut a, &lin, &x);
+    opt.step().unwrap();
+    let after: Vec<(String, Vec<f32>)> = model
+        .master_weights()
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1().unwrap()))
+        .collect();
+    assert_eq!(before[0].0, "bias");
+    let bias = Tensor::new(before[0].1.as_slice(), &Device::Cpu).unwrap();
+    let mut plain = AdamW::new(AdamWConfig {
+        lr,
+        weight_decay: 0.0,
+        ..Default::default()
+    });
+    let grad = Tensor::full(2f32, 3, &Device::Cpu).unwrap();
+    accel_core::optim::Optimizer::step(&mut plain, std::slice::from_ref(&bias), &[grad], &[0])
+        .unwrap();
+    assert_eq!(after[0].1, bias.to_vec1::<f32>().unwrap());
+    assert_eq!(after[1].0, "weight");
+    let decayed: Vec<f32> = before[1]
+        .1
+        .iter()
+        .map(|v| v * (1.0 - lr * wd) as f32)
+        .collect();
+    assert_eq!(after[1].1, decayed);
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! AdamW with PyTorch `torch.optim.AdamW` semantics, fused on CPU.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
@@ -43,12 +44,66 @@ struct ParamState {
     exp_avg_sq: Tensor,
 }
 
+/// A predicate on parameter names: true for parameters that get no weight decay.
+pub type NoDecayFn = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// True for the parameters transformers' `Trainer` exempts from weight decay
+/// (`get_decay_parameter_names`): every bias, and the parameters of
+/// LayerNorm / RMSNorm modules (`ln_1.weight`, `ln_f.weight`,
+/// `LayerNorm.weight`, `input_layernorm.weight`, `norm.weight`, `attn_norm.weight`).
+///
+/// ```
+/// use accel_core::optim::transformers_no_decay;
+/// assert!(transformers_no_decay("h.0.attn.c_attn.bias"));
+/// assert!(transformers_no_decay("h.0.ln_1.weight"));
+/// assert!(transformers_no_decay("encoder.LayerNorm.weight"));
+/// assert!(!transformers_no_decay("h.0.attn.c_attn.weight"));
+/// assert!(!transformers_no_decay("lm_head.weight"));
+/// ```
+pub fn transformers_no_decay(name: &str) -> bool {
+    let mut segments = name.split('.');
+    let last = segments.next_back().unwrap_or("");
+    if last.to_ascii_lowercase().ends_with("bias") {
+        return true;
+    }
+    let digits_or_empty = |s: &str| s.chars().all(|c| c.is_ascii_digit());
+    segments.any(|seg| {
+        let s = seg.to_ascii_lowercase();
+        s.contains("layernorm")
+            || s.contains("layer_norm")
+            || s.contains("rmsnorm")
+            || s.ends_with("_norm")
+            || s.strip_prefix("ln")
+                .is_some_and(|r| digits_or_empty(r) || r.starts_with('_'))
+            || s.strip_prefix("norm")
+                .is_some_and(|r| digits_or_empty(r) || r.starts_with('_'))
+    })
+}
+
 /// AdamW; its moments are fp32 and updated in place by one fused pass over
 /// all parameters (`accel_kernels::adamw_step`).
-#[derive(Debug, Clone)]
+///
+/// With [`AdamW::with_no_decay`], parameters whose name matches the predicate
+/// are updated with `weight_decay = 0` (transformers' two parameter groups);
+/// the names come from [`Optimizer::set_param_names`], which
+/// `Accelerator::prepare_optimizer` calls.
+#[derive(Clone)]
 pub struct AdamW {
     config: AdamWConfig,
     state: BTreeMap<usize, ParamState>,
+    no_decay: Option<NoDecayFn>,
+    names: Vec<String>,
+    no_decay_ids: BTreeSet<usize>,
+}
+
+impl std::fmt::Debug for AdamW {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdamW")
+            .field("config", &self.config)
+            .field("state", &self.state)
+            .field("no_decay_ids", &self.no_decay_ids)
+            .finish_non_exhaustive()
+    }
 }
 
 impl AdamW {
@@ -57,12 +112,41 @@ impl AdamW {
         Self {
             config,
             state: BTreeMap::new(),
+            no_decay: None,
+            names: Vec::new(),
+            no_decay_ids: BTreeSet::new(),
         }
+    }
+
+    /// Exempts the parameters whose name satisfies `pred` from weight decay
+    /// (e.g. [`transformers_no_decay`]).
+    pub fn with_no_decay(mut self, pred: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        self.no_decay = Some(Arc::new(pred));
+        self.recompute_no_decay();
+        self
     }
 
     /// The hyper-parameters.
     pub fn config(&self) -> &AdamWConfig {
         &self.config
+    }
+
+    /// Ids of the parameters updated without weight decay.
+    pub fn no_decay_ids(&self) -> Vec<usize> {
+        self.no_decay_ids.iter().copied().collect()
+    }
+
+    fn recompute_no_decay(&mut self) {
+        self.no_decay_ids = match &self.no_decay {
+            Some(pred) => self
+                .names
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| pred(n))
+                .map(|(i, _)| i)
+                .collect(),
+            None => BTreeSet::new(),
+        };
     }
 }
 
@@ -78,21 +162,27 @@ impl Optimizer for AdamW {
             }
         }
         // Parameters normally share one step count; group by it so bias
-        // correction stays per-parameter as in PyTorch.
-        let mut groups: BTreeMap<u64, Vec<usize>> = BTreeMap::new();
+        // correction stays per-parameter as in PyTorch, and by whether the
+        // parameter decays.
+        let mut groups: BTreeMap<(u64, bool), Vec<usize>> = BTreeMap::new();
         for (k, id) in ids.iter().enumerate() {
             let s = self.state.get_mut(id).expect("state created above");
             s.step += 1;
-            groups.entry(s.step).or_default().push(k);
+            let decays = !self.no_decay_ids.contains(id);
+            groups.entry((s.step, decays)).or_default().push(k);
         }
-        let hp = accel_kernels::AdamWParams {
-            lr: self.config.lr,
-            beta1: self.config.beta1,
-            beta2: self.config.beta2,
-            eps: self.config.eps,
-            weight_decay: self.config.weight_decay,
-        };
-        for (step, ks) in groups {
+        for ((step, decays), ks) in groups {
+            let hp = accel_kernels::AdamWParams {
+                lr: self.config.lr,
+                beta1: self.config.beta1,
+                beta2: self.config.beta2,
+                eps: self.config.eps,
+                weight_decay: if decays {
+                    self.config.weight_decay
+                } else {
+                    0.0
+                },
+            };
             let pick = |f: &dyn Fn(usize) -> Tensor| ks.iter().map(|&k| f(k)).collect::<Vec<_>>();
             let ps = pick(&|k| params[k].clone());
             let gs = pick(&|k| grads[k].clone());
@@ -101,6 +191,11 @@ impl Optimizer for AdamW {
             accel_kernels::adamw_step(&ps, &gs, &ms, &vs, step, &hp)?;
         }
         Ok(())
+    }
+
+    fn set_param_names(&mut self, names: &[String]) {
+        self.names = names.to_vec();
+        self.recompute_no_decay();
     }
 
     fn learning_rate(&self) -> f64 {
@@ -123,6 +218,7 @@ impl Optimizer for AdamW {
             "optimizer": "AdamW",
             "param_groups": [self.config],
             "step": steps,
+            "no_decay": self.no_decay_ids(),
         });
         Ok(StateDict { tensors, meta })
     }
@@ -200,5 +296,83 @@ impl Optimizer for AdamW {
         self.config = config;
         self.state = new_state;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+
+    fn vals(t: &Tensor) -> Vec<f32> {
+        t.to_vec1::<f32>().unwrap()
+    }
+
+    #[test]
+    fn no_decay_parameters_step_as_adamw_without_weight_decay() {
+        let dev = Device::Cpu;
+        let init = [1.0f32, -2.0, 3.0, 0.5];
+        let grad = [0.1f32, 0.2, -0.3, 0.05];
+        let fresh = |v: &[f32]| Tensor::new(v, &dev).unwrap();
+        let config = AdamWConfig {
+            lr: 0.1,
+            weight_decay: 0.5,
+            ..Default::default()
+        };
+        let mut opt = AdamW::new(config).with_no_decay(transformers_no_decay);
+        opt.set_param_names(&["fc.bias".to_string(), "fc.weight".to_string()]);
+        assert_eq!(opt.no_decay_ids(), vec![0]);
+        let mut plain = AdamW::new(AdamWConfig {
+            weight_decay: 0.0,
+            ..config
+        });
+        let (bias, weight, reference) = (fresh(&init), fresh(&init), fresh(&init));
+        for _ in 0..3 {
+            let g = [fresh(&grad), fresh(&grad)];
+            opt.step(&[bias.clone(), weight.clone()], &g, &[0, 1])
+                .unwrap();
+            plain
+                .step(std::slice::from_ref(&reference), &[fresh(&grad)], &[0])
+                .unwrap();
+        }
+        assert_eq!(vals(&bias), vals(&reference));
+        let (b, w) = (vals(&bias), vals(&weight));
+        assert!(
+            b.iter().zip(&w).all(|(b, w)| (b - w).abs() > 1e-3),
+            "{b:?} vs {w:?}"
+        );
+        let meta = opt.state_dict().unwrap().meta;
+        assert_eq!(meta["no_decay"], serde_json::json!([0]));
+    }
+
+    #[test]
+    fn no_decay_names_follow_transformers() {
+        for name in [
+            "bias",
+            "h.0.attn.c_attn.bias",
+            "h.0.ln_1.weight",
+            "ln_f.weight",
+            "ln.weight",
+            "blocks.1.ln2.weight",
+            "encoder.layer.0.output.LayerNorm.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layer_norm.weight",
+            "model.norm.weight",
+            "layers.0.attn_norm.weight",
+            "layers.0.rmsnorm.weight",
+        ] {
+            assert!(transformers_no_decay(name), "{name}");
+        }
+        for name in [
+            "h.0.attn.c_attn.weight",
+            "lm_head.weight",
+            "wte.weight",
+            "linear.weight",
+            "lnx_proj.weight",
+            "normalizer.weight",
+        ] {
+            assert!(!transformers_no_decay(name), "{name}");
+        }
     }
 }

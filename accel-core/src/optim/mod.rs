@@ -5,7 +5,7 @@ mod adamw;
 mod prepared;
 mod sgd;
 
-pub use adamw::{AdamW, AdamWConfig};
+pub use adamw::{transformers_no_decay, AdamW, AdamWConfig, NoDecayFn};
 pub use prepared::PreparedOptimizer;
 pub use sgd::{Sgd, SgdConfig};
 
@@ -22,6 +22,11 @@ use crate::Result;
 pub trait Optimizer: Send {
     /// Applies one update to `params[k]` from `grads[k]`; `ids[k]` identifies the parameter.
     fn step(&mut self, params: &[Tensor], grads: &[Tensor], ids: &[usize]) -> Result<()>;
+    /// Receives the model's parameter names once, before any step; `names[id]`
+    /// names parameter `id` (for per-name settings such as weight-decay exclusion).
+    fn set_param_names(&mut self, names: &[String]) {
+        let _ = names;
+    }
     /// The learning rate the next step uses.
     fn learning_rate(&self) -> f64;
     /// Sets the learning rate (schedulers call this).

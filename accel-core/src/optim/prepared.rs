@@ -31,11 +31,12 @@ pub struct PreparedOptimizer {
 
 impl PreparedOptimizer {
     pub(crate) fn new(
-        opt: Box<dyn Optimizer>,
+        mut opt: Box<dyn Optimizer>,
         model: PreparedModel,
         grad_state: GradientState,
         scaler: Option<Arc<Mutex<GradScaler>>>,
     ) -> Self {
+        opt.set_param_names(&model.names());
         Self {
             inner: Arc::new(Mutex::new(Inner {
                 opt,

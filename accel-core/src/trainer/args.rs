@@ -6,6 +6,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+use accel_dist::ddp::{CommHook, DdpConfig};
+
 use crate::accelerator::{AcceleratorConfig, ProjectConfiguration};
 use crate::precision::PrecisionType;
 use crate::scheduler::Schedule;
@@ -101,7 +103,8 @@ pub struct TrainingArguments {
     pub gradient_accumulation_steps: usize,
     /// Peak learning rate of AdamW.
     pub learning_rate: f64,
-    /// AdamW's decoupled weight decay (applied to every parameter).
+    /// AdamW's decoupled weight decay (applied to every parameter but biases
+    /// and norm-layer weights, as transformers' `get_decay_parameter_names`).
     pub weight_decay: f64,
     /// AdamW's first-moment decay.
     pub adam_beta1: f64,
@@ -147,6 +150,12 @@ pub struct TrainingArguments {
     pub disable_tqdm: bool,
     /// Train on the CPU even when a GPU is available.
     pub use_cpu: bool,
+    /// DDP bucket size in MiB; `None` keeps the default (25).
+    #[serde(default)]
+    pub ddp_bucket_cap_mb: Option<f64>,
+    /// DDP gradient compression on the wire (`none`, `fp16`, `bf16`).
+    #[serde(default)]
+    pub ddp_comm_hook: CommHook,
 }
 
 impl Default for TrainingArguments {
@@ -183,6 +192,8 @@ impl Default for TrainingArguments {
             dataloader_drop_last: false,
             disable_tqdm: false,
             use_cpu: false,
+            ddp_bucket_cap_mb: None,
+            ddp_comm_hook: CommHook::None,
         }
     }
 }
@@ -316,6 +327,12 @@ impl TrainingArguments {
                 "must be positive with eval_strategy steps",
             ));
         }
+        if self
+            .ddp_bucket_cap_mb
+            .is_some_and(|mb| !(mb.is_finite() && mb > 0.0))
+        {
+            return Err(config("ddp_bucket_cap_mb", "must be a positive number"));
+        }
         if self.save_strategy == IntervalStrategy::Steps && self.save_steps == 0 {
             return Err(config(
                 "save_steps",
@@ -334,9 +351,18 @@ impl TrainingArguments {
             .collect()
     }
 
+    /// The data-parallel settings: `ddp_bucket_cap_mb` (default 25) and `ddp_comm_hook`.
+    pub fn ddp_config(&self) -> DdpConfig {
+        let default = DdpConfig::default();
+        DdpConfig {
+            bucket_cap_mb: self.ddp_bucket_cap_mb.unwrap_or(default.bucket_cap_mb),
+            comm_hook: self.ddp_comm_hook,
+        }
+    }
+
     /// The Accelerator settings of this run: precision, accumulation, seed,
     /// `output_dir` with automatic checkpoint naming and `save_total_limit`,
-    /// and the trackers.
+    /// the trackers, and the DDP bucket size and compression hook.
     ///
     /// The scheduler steps once per optimizer step whatever the world size
     /// (as transformers, which does not hand its scheduler to Accelerate), so
@@ -357,7 +383,8 @@ impl TrainingArguments {
             .with_gradient_accumulation_steps(self.gradient_accumulation_steps)
             .with_seed(self.seed)
             .with_project(project)
-            .with_log_with(self.trackers());
+            .with_log_with(self.trackers())
+            .with_ddp(self.ddp_config());
         config.step_scheduler_with_optimizer = false;
         if self.use_cpu {
             config = config.with_device(candle_core::Device::Cpu);
@@ -435,6 +462,31 @@ mod tests {
             IntervalStrategy::Epoch
         );
         assert!("sometimes".parse::<IntervalStrategy>().is_err());
+    }
+
+    #[test]
+    fn ddp_settings_reach_the_accelerator_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = TrainingArguments::new(dir.path());
+        let c = a.accelerator_config().unwrap();
+        assert_eq!(c.ddp, DdpConfig::default());
+        a.ddp_bucket_cap_mb = Some(4.5);
+        a.ddp_comm_hook = CommHook::Bf16;
+        let c = a.accelerator_config().unwrap();
+        assert_eq!(c.ddp.bucket_cap_mb, 4.5);
+        assert_eq!(c.ddp.comm_hook, CommHook::Bf16);
+        a.ddp_bucket_cap_mb = Some(0.0);
+        assert!(a.accelerator_config().is_err());
+    }
+
+    #[test]
+    fn old_serialized_arguments_still_load() {
+        let mut v = serde_json::to_value(TrainingArguments::default()).unwrap();
+        let m = v.as_object_mut().unwrap();
+        m.remove("ddp_bucket_cap_mb");
+        m.remove("ddp_comm_hook");
+        let a: TrainingArguments = serde_json::from_value(v).unwrap();
+        assert_eq!(a, TrainingArguments::default());
     }
 
     #[test]

@@ -43,7 +43,7 @@ use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
 use crate::data::{DataLoader, DataLoaderConfig, Dataset};
-use crate::optim::{AdamW, AdamWConfig, PreparedOptimizer};
+use crate::optim::{transformers_no_decay, AdamW, AdamWConfig, PreparedOptimizer};
 use crate::scheduler::{LrScheduler, PreparedScheduler};
 use crate::{Accelerator, PreparedModel, Result};
 use state::Counted;
@@ -160,7 +160,8 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
                 beta2: args.adam_beta2,
                 eps: args.adam_epsilon,
                 weight_decay: args.weight_decay,
-            }),
+            })
+            .with_no_decay(transformers_no_decay),
         );
         let train_loader = acc.prepare_data_loader(DataLoader::new(
             Counted(train_dataset),
