@@ -28,6 +28,7 @@ mod buffer;
 mod communicator;
 pub mod ddp;
 mod error;
+pub mod fsdp;
 mod group;
 pub mod launch;
 pub mod process;
