@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod fsdp;
 mod init;
 pub mod model;
 pub mod optim;

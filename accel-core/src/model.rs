@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
+use crate::fsdp::sharding::Sharding;
 use crate::{Error, Result};
 
 #[derive(Debug)]
@@ -24,6 +25,9 @@ pub(crate) struct ModelInner {
     /// Set once gradients were divided by the loss scale this step, and
     /// whether that found a non-finite value.
     pub unscaled: Option<bool>,
+    /// Set for an FSDP model: `masters` are then this rank's fp32 pieces
+    /// (and `model_vars` the same variables).
+    pub sharding: Option<Arc<Sharding>>,
 }
 
 /// The parameters of a model prepared by the Accelerator.
@@ -47,8 +51,69 @@ impl PreparedModel {
                 grads: vec![None; n],
                 has_grad: vec![false; n],
                 unscaled: None,
+                sharding: None,
             })),
         }
+    }
+
+    /// A model over this rank's pieces of sharded parameters.
+    pub(crate) fn new_sharded(
+        names: Vec<String>,
+        pieces: Vec<Var>,
+        sharding: Arc<Sharding>,
+    ) -> Self {
+        let model = Self::new(names, pieces.clone(), pieces);
+        model.lock().sharding = Some(sharding);
+        model
+    }
+
+    /// The sharding of an FSDP model.
+    pub(crate) fn sharding(&self) -> Option<Arc<Sharding>> {
+        self.lock().sharding.clone()
+    }
+
+    /// True for the parameters of an FSDP model (each rank holds pieces).
+    pub fn is_sharded(&self) -> bool {
+        self.lock().sharding.is_some()
+    }
+
+    /// The master tensors of parameters `ids`, detached: what is computed
+    /// from them (gathered parameters) must not lead a backward back to the
+    /// masters, whose gradients arrive reduced instead.
+    pub(crate) fn pieces(&self, ids: &[usize]) -> Vec<Tensor> {
+        let g = self.lock();
+        ids.iter()
+            .map(|&i| g.masters[i].as_tensor().detach())
+            .collect()
+    }
+
+    /// Adds already reduced gradient pieces of parameters `ids` to the accumulators.
+    pub(crate) fn accumulate_pieces(&self, ids: &[usize], pieces: &[Tensor]) -> Result<()> {
+        let mut g = self.lock();
+        let (mut copy_dst, mut copy_src, mut add_dst, mut add_src) =
+            (vec![], vec![], vec![], vec![]);
+        for (&i, p) in ids.iter().zip(pieces) {
+            let acc = match &g.grads[i] {
+                Some(t) => t.clone(),
+                None => {
+                    let t = g.masters[i].as_tensor().zeros_like()?;
+                    g.grads[i] = Some(t.clone());
+                    t
+                }
+            };
+            let p = p.contiguous()?;
+            if g.has_grad[i] {
+                add_dst.push(acc);
+                add_src.push(p);
+            } else {
+                copy_dst.push(acc);
+                copy_src.push(p);
+                g.has_grad[i] = true;
+            }
+        }
+        accel_kernels::cast_into(&copy_src, &copy_dst)?;
+        accel_kernels::add_in_place(&add_dst, &add_src)?;
+        Ok(())
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, ModelInner> {
@@ -83,6 +148,21 @@ impl PreparedModel {
             .cloned()
             .zip(g.masters.iter().map(|v| v.as_tensor().clone()))
             .collect()
+    }
+
+    /// The full fp32 weights, by name: the master weights, or for a sharded
+    /// model the pieces of every rank gathered (every rank must call it then).
+    pub fn full_weights(&self) -> Result<Vec<(String, Tensor)>> {
+        let (names, masters, sharding) = {
+            let g = self.lock();
+            let masters: Vec<Tensor> = g.masters.iter().map(|v| v.as_tensor().detach()).collect();
+            (g.names.clone(), masters, g.sharding.clone())
+        };
+        let full = match sharding {
+            Some(s) => s.gather_all_f32(&masters)?,
+            None => masters,
+        };
+        Ok(names.into_iter().zip(full).collect())
     }
 
     /// The accumulated fp32 gradient of each parameter that has one.
@@ -178,6 +258,10 @@ impl PreparedModel {
     /// Copies the master weights into the compute-dtype variables the model reads.
     pub(crate) fn refresh_model_weights(&self) -> Result<()> {
         let g = self.lock();
+        if let Some(sharding) = &g.sharding {
+            let masters: Vec<Tensor> = g.masters.iter().map(|v| v.as_tensor().detach()).collect();
+            return sharding.refresh(&masters);
+        }
         let (mut src, mut dst) = (vec![], vec![]);
         for (m, v) in g.masters.iter().zip(&g.model_vars) {
             if m.dtype() != v.dtype() {
@@ -197,7 +281,11 @@ impl PreparedModel {
             return Ok(found);
         }
         let grads = present_grads(&g);
-        let found = accel_kernels::unscale_and_check(&grads, inv_scale)?;
+        let mut found = accel_kernels::unscale_and_check(&grads, inv_scale)?;
+        if let Some(sharding) = &g.sharding {
+            // Every rank must skip the step together, whichever pieces overflowed.
+            found = sharding.combine(f64::from(u8::from(found)), accel_dist::ReduceOp::Max)? > 0.0;
+        }
         g.unscaled = Some(found);
         Ok(found)
     }
@@ -207,10 +295,18 @@ impl PreparedModel {
     pub(crate) fn clip_grad_norm(&self, max_norm: f64, norm_type: f64) -> Result<f64> {
         let g = self.lock();
         let grads = present_grads(&g);
+        let combine = |v: f64, op| match &g.sharding {
+            Some(s) => s.combine(v, op),
+            None => Ok(v),
+        };
         let total = if norm_type.is_infinite() {
-            accel_kernels::max_abs(&grads)?
+            combine(accel_kernels::max_abs(&grads)?, accel_dist::ReduceOp::Max)?
         } else if norm_type == 2.0 {
-            accel_kernels::sum_of_squares(&grads)?.sqrt()
+            combine(
+                accel_kernels::sum_of_squares(&grads)?,
+                accel_dist::ReduceOp::Sum,
+            )?
+            .sqrt()
         } else {
             return Err(Error::Config {
                 key: "norm_type".into(),

@@ -20,6 +20,7 @@ use candle_nn::{Init, VarBuilder};
 
 use crate::kernels::{self, Activation};
 use crate::nn::{dense, layer_norm, matmul};
+use accel_core::fsdp::FsdpModel;
 use accel_core::rng::SplitMix64;
 
 /// Layer-norm epsilon of GPT-2.
@@ -208,13 +209,48 @@ impl Gpt {
     /// `targets [B, T]` (u32), over all `B * T` positions, computed in f32.
     pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let x = self.hidden(idx)?;
+        self.head_loss(&x, &self.wte, targets)
+    }
+
+    /// [`Gpt::loss`] for a model built by `Accelerator::prepare_fsdp_model`
+    /// (whose own tensors are placeholders): the embeddings and `ln_f` come
+    /// from the root unit, and each block `h.{i}` runs as a wrapped unit when
+    /// the auto-wrap policy made it one (transformer-based wrap of `h.*`),
+    /// else from the root unit too.
+    pub fn loss_fsdp(&self, fsdp: &FsdpModel, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let (b, t) = idx.dims2()?;
+        let (cfg, d) = (self.cfg, self.cfg.n_embd);
+        let root = fsdp.root()?;
+        let wte = root.get((cfg.vocab_size, d), "wte.weight")?;
+        let wpe = root.get((cfg.block_size, d), "wpe.weight")?;
+        let ln_f = (root.get(d, "ln_f.weight")?, root.get(d, "ln_f.bias")?);
+        let units = fsdp.unit_names();
+        let mut x = self.embed(&wte, &wpe, idx)?;
+        for i in 0..cfg.n_layer {
+            let name = format!("h.{i}");
+            x = if units.contains(&name) {
+                let shell = self.clone();
+                fsdp.forward_unit(&name, &x, move |vb, x| {
+                    shell.block_forward(&Block::new(&cfg, vb)?, x, b, t)
+                })?
+            } else {
+                let blk = Block::new(&cfg, root.pp("h").pp(i))?;
+                self.block_forward(&blk, &x, b, t)?
+            };
+        }
+        let x = self.ln(&x, &ln_f)?;
+        self.head_loss(&x, &wte, targets)
+    }
+
+    /// Tied lm_head and mean cross entropy of the final hidden states.
+    fn head_loss(&self, x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let targets = targets.flatten_all()?;
         if self.fused {
             // lm_head and cross entropy in one op: the [B*T, vocab] logits
             // never enter the autograd graph.
-            kernels::linear_cross_entropy(&x, &self.wte, &targets)
+            kernels::linear_cross_entropy(x, wte, &targets)
         } else {
-            let logits = dense(&x, &self.wte, None, Activation::None, false)?;
+            let logits = dense(x, wte, None, Activation::None, false)?;
             crate::nn::cross_entropy(&logits, &targets)
         }
     }
@@ -261,6 +297,16 @@ impl Gpt {
     /// The final hidden states `[B * T, n_embd]` (after `ln_f`).
     fn hidden(&self, idx: &Tensor) -> Result<Tensor> {
         let (b, t) = idx.dims2()?;
+        let mut x = self.embed(&self.wte, &self.wpe, idx)?;
+        for block in &self.blocks {
+            x = self.block_forward(block, &x, b, t)?;
+        }
+        self.ln(&x, &self.ln_f)
+    }
+
+    /// Token plus position embeddings `[B * T, d]` of `idx [B, T]`.
+    fn embed(&self, wte: &Tensor, wpe: &Tensor, idx: &Tensor) -> Result<Tensor> {
+        let (b, t) = idx.dims2()?;
         if t > self.cfg.block_size {
             candle_core::bail!(
                 "sequence length {t} exceeds block_size {}",
@@ -268,16 +314,11 @@ impl Gpt {
             )
         }
         let d = self.cfg.n_embd;
-        let tok = self.wte.index_select(&idx.flatten_all()?, 0)?;
-        let pos = self.wpe.narrow(0, 0, t)?;
-        let mut x = tok
-            .reshape((b, t, d))?
+        let tok = wte.index_select(&idx.flatten_all()?, 0)?;
+        let pos = wpe.narrow(0, 0, t)?;
+        tok.reshape((b, t, d))?
             .broadcast_add(&pos)?
-            .reshape((b * t, d))?;
-        for block in &self.blocks {
-            x = self.block_forward(block, &x, b, t)?;
-        }
-        self.ln(&x, &self.ln_f)
+            .reshape((b * t, d))
     }
 
     fn dense(&self, x: &Tensor, (w, b): &(Tensor, Tensor), act: Activation) -> Result<Tensor> {

@@ -2,6 +2,7 @@
 //! worker binary and the in-process tests run identically.
 
 use accel_core::data::{DataLoader, TensorDataset};
+use accel_core::fsdp::FsdpModel;
 use accel_core::optim::{AdamW, AdamWConfig, PreparedOptimizer};
 use accel_core::scheduler::{LrScheduler, PreparedScheduler, Schedule};
 use accel_core::{Accelerator, PreparedModel};
@@ -12,8 +13,10 @@ use candle_nn::VarMap;
 
 /// A small GPT with its prepared parameters, optimizer, scheduler and loader.
 pub struct TinyJob {
-    /// The model.
+    /// The model (placeholders under FSDP: its weights live in `fsdp`).
     pub model: Gpt,
+    /// The sharded parameters, when the Accelerator has an FSDP plugin.
+    pub fsdp: Option<FsdpModel>,
     /// Its prepared parameters.
     pub params: PreparedModel,
     /// AdamW over them.
@@ -65,9 +68,14 @@ impl TinyJob {
             TensorDataset::new(vec![x, y])?,
             accel_core::data::DataLoaderConfig::new(batch_size).with_shuffle(true),
         );
-        let varmap = VarMap::new();
-        let model = Gpt::new(cfg, acc.var_builder(&varmap))?;
-        let params = acc.prepare_model(&varmap)?;
+        let (model, params, fsdp) = if acc.config().fsdp.is_some() {
+            let (model, fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg, vb))?;
+            (model, fsdp.params().clone(), Some(fsdp))
+        } else {
+            let varmap = VarMap::new();
+            let model = Gpt::new(cfg, acc.var_builder(&varmap))?;
+            (model, acc.prepare_model(&varmap)?, None)
+        };
         let opt = acc.prepare_optimizer(
             &params,
             AdamW::new(AdamWConfig {
@@ -79,6 +87,7 @@ impl TinyJob {
         let loader = acc.prepare_data_loader(loader);
         Ok(Self {
             model,
+            fsdp,
             params,
             opt,
             sched,
@@ -100,8 +109,12 @@ impl TinyJob {
                 let batch = batch?;
                 let (model, params, opt, sched) =
                     (&self.model, &self.params, &mut self.opt, &mut self.sched);
+                let fsdp = self.fsdp.as_ref();
                 let loss = acc.accumulate(|acc| {
-                    let loss = model.loss(&batch[0], &batch[1])?;
+                    let loss = match fsdp {
+                        Some(f) => model.loss_fsdp(f, &batch[0], &batch[1])?,
+                        None => model.loss(&batch[0], &batch[1])?,
+                    };
                     acc.backward(&loss)?;
                     if acc.sync_gradients() {
                         acc.clip_grad_norm(params, 1.0)?;
@@ -122,4 +135,24 @@ impl TinyJob {
         }
         Ok(losses)
     }
+}
+
+/// The final weights `train_worker` wrote to `path` (`--out`), by name, as f32.
+pub fn result_weights(path: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v: serde_json::Value = serde_json::from_str(&text).expect("worker result is JSON");
+    v["weights"]
+        .as_object()
+        .expect("a weights object")
+        .iter()
+        .map(|(k, bits)| {
+            let w = bits
+                .as_array()
+                .expect("an array of f32 bit patterns")
+                .iter()
+                .map(|b| f32::from_bits(b.as_u64().unwrap_or(0) as u32))
+                .collect();
+            (k.clone(), w)
+        })
+        .collect()
 }

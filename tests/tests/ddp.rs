@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::Command;
 
 use accel_core::dist::launch::{plan, run, LaunchConfig, RunOptions};
-use serde_json::Value;
+use accel_tests::result_weights as weights;
 
 const WORKER: &str = env!("CARGO_BIN_EXE_train_worker");
 
@@ -23,24 +23,6 @@ fn worker_args(dir: &Path, out: &Path, batch: usize) -> Vec<String> {
         "--out".into(),
         out.display().to_string(),
     ]
-}
-
-fn weights(path: &Path) -> Vec<(String, Vec<f32>)> {
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    v["weights"]
-        .as_object()
-        .unwrap()
-        .iter()
-        .map(|(k, bits)| {
-            let w = bits
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|b| f32::from_bits(b.as_u64().unwrap() as u32))
-                .collect();
-            (k.clone(), w)
-        })
-        .collect()
 }
 
 #[test]

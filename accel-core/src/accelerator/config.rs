@@ -8,6 +8,7 @@ use accel_dist::ddp::DdpConfig;
 use accel_dist::InitProcessGroupKwargs;
 
 use crate::accumulation::GradientAccumulationPlugin;
+use crate::fsdp::FullyShardedDataParallelPlugin;
 use crate::precision::{GradScalerConfig, PrecisionType};
 
 /// Where a run writes its checkpoints and logs (Accelerate's `ProjectConfiguration`).
@@ -100,6 +101,10 @@ pub struct AcceleratorConfig {
     /// Process-group settings (the collective timeout); `None` keeps what the
     /// launcher set (`ACCEL_DIST_TIMEOUT`, else 30 minutes).
     pub init_kwargs: Option<InitProcessGroupKwargs>,
+    /// Fully sharded data parallelism for models prepared with
+    /// `prepare_fsdp_model`; `None` reads `accel launch`'s `FSDP_*`
+    /// variables (set when `distributed_type: FSDP`), else FULL_SHARD defaults.
+    pub fsdp: Option<FullyShardedDataParallelPlugin>,
 }
 
 impl Default for AcceleratorConfig {
@@ -117,6 +122,7 @@ impl Default for AcceleratorConfig {
             step_scheduler_with_optimizer: true,
             ddp: DdpConfig::default(),
             init_kwargs: None,
+            fsdp: None,
         }
     }
 }
@@ -173,6 +179,12 @@ impl AcceleratorConfig {
     /// Sets the process-group settings (collective timeout).
     pub fn with_init_kwargs(mut self, kwargs: InitProcessGroupKwargs) -> Self {
         self.init_kwargs = Some(kwargs);
+        self
+    }
+
+    /// Shards models prepared with `prepare_fsdp_model` as `plugin` says.
+    pub fn with_fsdp(mut self, plugin: FullyShardedDataParallelPlugin) -> Self {
+        self.fsdp = Some(plugin);
         self
     }
 

@@ -20,6 +20,7 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::accumulation::GradientState;
 use crate::checkpoint::Checkpointable;
 use crate::data::{DataLoader, Dataset, LoaderPosition};
+use crate::fsdp::{FsdpModel, FullyShardedDataParallelPlugin, ShardedInit};
 use crate::init::{MasterMap, SeededBackend};
 use crate::model::PreparedModel;
 use crate::optim::{Optimizer, PreparedOptimizer};
@@ -70,6 +71,7 @@ pub struct Accelerator {
     rng: SplitMix64,
     masters: MasterMap,
     models: Vec<PreparedModel>,
+    fsdp_models: Vec<FsdpModel>,
     optimizers: Vec<PreparedOptimizer>,
     schedulers: Vec<PreparedScheduler>,
     loaders: Vec<Arc<Mutex<LoaderPosition>>>,
@@ -82,12 +84,18 @@ impl Accelerator {
     /// environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`).
     pub fn new(config: AcceleratorConfig) -> Result<Self> {
         // `accel launch --mixed_precision` exports ACCELERATE_MIXED_PRECISION.
-        let config = config.with_env_precision()?;
+        let mut config = config.with_env_precision()?;
+        if config.fsdp.is_none() {
+            config.fsdp = FullyShardedDataParallelPlugin::from_env()?;
+        }
         let device = match &config.device {
             Some(d) => d.clone(),
             None => default_device()?,
         };
-        let state = ProcessState::from_env(device)?;
+        let mut state = ProcessState::from_env(device)?;
+        if config.fsdp.is_some() && state.world_size > 1 {
+            state.distributed_type = DistributedType::Fsdp;
+        }
         if std::env::var(accel_dist::affinity::ENV_CPU_AFFINITY).is_ok_and(|v| v == "1") {
             let local_world = std::env::var("LOCAL_WORLD_SIZE")
                 .ok()
@@ -122,6 +130,7 @@ impl Accelerator {
             rng: SplitMix64::new(seed),
             masters: Default::default(),
             models: vec![],
+            fsdp_models: vec![],
             optimizers: vec![],
             schedulers: vec![],
             loaders: vec![],
@@ -166,6 +175,12 @@ impl Accelerator {
     /// The kind of run.
     pub fn distributed_type(&self) -> DistributedType {
         self.state.distributed_type
+    }
+
+    /// The configuration this Accelerator runs with (after the launcher's
+    /// environment was applied).
+    pub fn config(&self) -> &AcceleratorConfig {
+        &self.config
     }
 
     /// The precision mode.
@@ -270,6 +285,60 @@ impl Accelerator {
         Ok(model)
     }
 
+    /// Builds a model with its parameters sharded across the ranks (FSDP /
+    /// ZeRO, as the `fsdp` plugin of the configuration says; FULL_SHARD
+    /// with no auto-wrap when none is set).
+    ///
+    /// `build` creates the model from a `VarBuilder` as usual; each
+    /// parameter is drawn (seeded, the same values as [`Accelerator::var_builder`]
+    /// gives) and only this rank's piece is kept, so the full model never
+    /// exists in one process. The model `build` returns holds zero-memory
+    /// placeholders: its forward must read parameters through the returned
+    /// [`FsdpModel`] (see [`crate::fsdp`]).
+    pub fn prepare_fsdp_model<M>(
+        &mut self,
+        build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<M>,
+    ) -> Result<(M, FsdpModel)> {
+        let plugin = self.config.fsdp.clone().unwrap_or_default();
+        let (world, rank) = match plugin.sharding_strategy {
+            accel_dist::fsdp::ShardingStrategy::NoShard => (1, 0),
+            _ => (self.num_processes(), self.process_index()),
+        };
+        let master_device = if plugin.cpu_offload {
+            Device::Cpu
+        } else {
+            self.device().clone()
+        };
+        let drawn = Arc::new(Mutex::new(vec![]));
+        let backend = ShardedInit {
+            seed: self.seed,
+            world,
+            rank,
+            master_device: master_device.clone(),
+            drawn: drawn.clone(),
+        };
+        let vb = VarBuilder::from_backend(
+            Box::new(backend),
+            self.compute_dtype(),
+            self.device().clone(),
+        );
+        let user_model = build(vb)?;
+        let pieces = std::mem::take(&mut *drawn.lock().unwrap_or_else(|e| e.into_inner()));
+        let model = FsdpModel::new(
+            pieces,
+            &plugin,
+            self.comm.clone(),
+            self.compute_dtype(),
+            self.device().clone(),
+            master_device,
+        )?;
+        let params = model.params().clone();
+        self.buckets.push(GradBuckets::new(&params.numels(), 0));
+        self.models.push(params);
+        self.fsdp_models.push(model.clone());
+        Ok((user_model, model))
+    }
+
     /// Wraps `optimizer` over `model`'s master weights.
     pub fn prepare_optimizer(
         &mut self,
@@ -372,9 +441,18 @@ impl Accelerator {
         for m in &self.models {
             m.accumulate(&grads)?;
         }
+        // Sharded models reduce every micro-batch: their wrapped units already
+        // did during the backward, the rest of their parameters do here.
+        for m in &self.fsdp_models {
+            m.collect_gradients(&grads)?;
+        }
+        drop(grads);
         // DDP averages at the end of an accumulation cycle only (no_sync before).
         if self.num_processes() > 1 && self.sync_gradients() {
             for (m, b) in self.models.iter().zip(&self.buckets) {
+                if m.is_sharded() {
+                    continue;
+                }
                 m.all_reduce_grads(self.comm(), b, self.config.ddp.comm_hook)?;
             }
         }

@@ -22,6 +22,13 @@ use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::{Communicator, Error, ReduceOp, Result};
 
+/// The elements `rank` holds of a flattened parameter of `numel` elements
+/// split between `world` ranks: chunk `rank` of `ceil(numel / world)`.
+pub fn piece_range(numel: usize, world: usize, rank: usize) -> Range<usize> {
+    let chunk = numel.div_ceil(world.max(1));
+    (rank * chunk).min(numel)..((rank + 1) * chunk).min(numel)
+}
+
 /// One parameter of a unit: its name, shape and place in the packed buffer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ShardSlot {
@@ -104,10 +111,7 @@ impl ShardLayout {
 
     /// The elements of parameter `i` (flattened) that `rank` holds.
     pub fn range_of(&self, i: usize, rank: usize) -> Range<usize> {
-        let s = &self.slots[i];
-        let start = (rank * s.chunk).min(s.numel);
-        let end = ((rank + 1) * s.chunk).min(s.numel);
-        start..end
+        piece_range(self.slots[i].numel, self.world, rank)
     }
 
     /// The elements of parameter `i` this rank holds.

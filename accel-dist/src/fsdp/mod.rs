@@ -9,7 +9,7 @@
 mod layout;
 mod wrap;
 
-pub use layout::{ShardLayout, ShardSlot};
+pub use layout::{piece_range, ShardLayout, ShardSlot};
 pub use wrap::{group_units, AutoWrapPolicy};
 
 use serde::{Deserialize, Serialize};

@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use accel_core::fsdp::{AutoWrapPolicy, FullyShardedDataParallelPlugin, StateDictType};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType, ProjectConfiguration};
 use accel_tests::TinyJob;
 use anyhow::Result;
@@ -39,6 +40,15 @@ struct Args {
     /// process per optimizer step, so schedules differ between world sizes).
     #[arg(long)]
     constant_lr: bool,
+    /// Shard the model: FULL_SHARD, SHARD_GRAD_OP, SHARD_OPTIMIZER or NO_SHARD.
+    #[arg(long)]
+    fsdp: Option<String>,
+    /// With --fsdp: wrap each transformer block `h.*` as a unit (else one root unit).
+    #[arg(long)]
+    wrap_blocks: bool,
+    /// With --fsdp: write sharded checkpoints instead of full ones.
+    #[arg(long)]
+    sharded_state_dict: bool,
     /// Write the result JSON here (main process only) instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -47,13 +57,24 @@ struct Args {
 fn main() -> Result<()> {
     let args = Args::parse();
     let project = ProjectConfiguration::automatic(&args.dir).with_total_limit(3);
-    let mut acc = Accelerator::new(
-        AcceleratorConfig::default()
-            .with_seed(5)
-            .with_mixed_precision(args.mixed_precision)
-            .with_gradient_accumulation_steps(args.accumulation)
-            .with_project(project),
-    )?;
+    let mut config = AcceleratorConfig::default()
+        .with_seed(5)
+        .with_mixed_precision(args.mixed_precision)
+        .with_gradient_accumulation_steps(args.accumulation)
+        .with_project(project);
+    if let Some(strategy) = &args.fsdp {
+        let mut plugin = FullyShardedDataParallelPlugin::new(strategy.parse()?);
+        if args.wrap_blocks {
+            plugin = plugin.with_auto_wrap_policy(AutoWrapPolicy::Transformer {
+                patterns: vec!["h.*".into()],
+            });
+        }
+        if args.sharded_state_dict {
+            plugin = plugin.with_state_dict_type(StateDictType::ShardedStateDict);
+        }
+        config = config.with_fsdp(plugin);
+    }
+    let mut acc = Accelerator::new(config)?;
     let schedule = if args.constant_lr {
         accel_core::scheduler::Schedule::Constant
     } else {
@@ -79,7 +100,7 @@ fn main() -> Result<()> {
     }
     let weights: serde_json::Map<String, serde_json::Value> = job
         .params
-        .master_weights()
+        .full_weights()?
         .into_iter()
         .map(|(n, t)| {
             let bits: Vec<u32> = t

@@ -1,0 +1,280 @@
+//! [`FsdpModel`]: the handle a model's forward uses to reach its sharded
+//! parameters, one unit at a time.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Shape, Tensor, Var};
+use candle_nn::VarBuilder;
+
+use accel_dist::fsdp::{group_units, ShardLayout, ShardingStrategy};
+use accel_dist::Communicator;
+
+use super::plugin::FullyShardedDataParallelPlugin;
+use super::sharding::{lock, Sharding, Unit};
+use super::unit_op::{UnitFn, UnitOp};
+use crate::model::PreparedModel;
+use crate::{Error, Result};
+
+/// A model whose parameters are sharded across ranks (FSDP / ZeRO), made by
+/// [`crate::Accelerator::prepare_fsdp_model`].
+///
+/// The model's forward reaches its parameters through this handle: the
+/// parameters outside every wrapped unit through [`FsdpModel::root`], once
+/// per forward, and each wrapped unit through [`FsdpModel::forward_unit`],
+/// which gathers the unit's parameters for the unit's computation and frees
+/// them after (or keeps them, depending on the strategy). Pass
+/// [`FsdpModel::params`] to `prepare_optimizer`: the optimizer then updates
+/// this rank's fp32 pieces only, so its state is sharded too.
+///
+/// Cheap to clone: clones share the parameters.
+#[derive(Clone)]
+pub struct FsdpModel {
+    params: PreparedModel,
+    sharding: Arc<Sharding>,
+    unit_index: Arc<HashMap<String, usize>>,
+}
+
+impl std::fmt::Debug for FsdpModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpModel")
+            .field("sharding", &self.sharding)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FsdpModel {
+    /// Shards the drawn `pieces` (name, full shape, this rank's fp32 piece)
+    /// into units as `plugin` says.
+    pub(crate) fn new(
+        mut pieces: Vec<(String, Shape, Tensor)>,
+        plugin: &FullyShardedDataParallelPlugin,
+        comm: Arc<dyn Communicator>,
+        compute_dtype: DType,
+        device: Device,
+        master_device: Device,
+    ) -> Result<Self> {
+        pieces.sort_by(|a, b| a.0.cmp(&b.0));
+        let names: Vec<String> = pieces.iter().map(|p| p.0.clone()).collect();
+        let numels: Vec<usize> = pieces.iter().map(|p| p.1.elem_count()).collect();
+        let (world, rank) = match plugin.sharding_strategy {
+            ShardingStrategy::NoShard => (1, 0),
+            _ => (comm.world_size(), comm.rank()),
+        };
+        let units = group_units(&names, &numels, &plugin.auto_wrap_policy)
+            .into_iter()
+            .map(|(prefix, ids)| {
+                let params: Vec<(String, Shape)> = ids
+                    .iter()
+                    .map(|&i| (names[i].clone(), pieces[i].1.clone()))
+                    .collect();
+                let layout = ShardLayout::new(&params, world, rank)?;
+                Ok(Unit {
+                    prefix,
+                    ids,
+                    layout,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let unit_index = units
+            .iter()
+            .enumerate()
+            .map(|(u, unit)| (unit.prefix.clone(), u))
+            .collect();
+        let (param_dtype, reduce_dtype) = match plugin.mixed_precision_policy {
+            Some(p) => (p.param_dtype, p.reduce_dtype),
+            None => (compute_dtype, DType::F32),
+        };
+        let sharding = Arc::new(Sharding::new(
+            comm,
+            plugin.sharding_strategy,
+            param_dtype,
+            reduce_dtype,
+            device,
+            master_device,
+            plugin.activation_checkpointing,
+            units,
+            names.len(),
+        ));
+        let vars = pieces
+            .iter()
+            .map(|(_, _, t)| Var::from_tensor(t))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        drop(pieces);
+        let params = PreparedModel::new_sharded(names, vars, sharding.clone());
+        params.refresh_model_weights()?;
+        Ok(Self {
+            params,
+            sharding,
+            unit_index: Arc::new(unit_index),
+        })
+    }
+
+    /// The parameters as the optimizer sees them: this rank's fp32 pieces.
+    pub fn params(&self) -> &PreparedModel {
+        &self.params
+    }
+
+    /// The sharding strategy.
+    pub fn strategy(&self) -> ShardingStrategy {
+        self.sharding.strategy
+    }
+
+    /// Names of the wrapped units, as the auto-wrap policy formed them
+    /// (the root unit, `""`, is not listed).
+    pub fn unit_names(&self) -> Vec<String> {
+        self.sharding.units[1..]
+            .iter()
+            .map(|u| u.prefix.clone())
+            .collect()
+    }
+
+    /// Names of the parameters in unit `prefix` (`""` for the root unit).
+    pub fn unit_parameter_names(&self, prefix: &str) -> Result<Vec<String>> {
+        let u = self.unit(prefix)?;
+        Ok(self.sharding.units[u]
+            .layout
+            .slots()
+            .iter()
+            .map(|s| s.name.clone())
+            .collect())
+    }
+
+    pub(crate) fn sharding(&self) -> &Arc<Sharding> {
+        &self.sharding
+    }
+
+    fn unit(&self, prefix: &str) -> Result<usize> {
+        self.unit_index
+            .get(prefix)
+            .copied()
+            .ok_or_else(|| Error::Config {
+                key: format!("fsdp unit `{prefix}`"),
+                reason: format!(
+                    "no such unit; the auto-wrap policy formed {:?}",
+                    self.unit_names()
+                ),
+            })
+    }
+
+    /// The full parameters of the root unit (those no policy wrapped) for this
+    /// forward, under their full names. Call it once per forward, before
+    /// the wrapped units; gradients reach them as usual and are reduced by
+    /// `Accelerator::backward`.
+    pub fn root(&self) -> candle_core::Result<VarBuilder<'static>> {
+        let tensors = self.tracked_params(0).map_err(wrap)?;
+        Ok(self.unit_var_builder(0, &tensors))
+    }
+
+    /// Runs wrapped unit `prefix` on `x`: `f` builds the unit from a
+    /// `VarBuilder` over its full parameters (names relative to the unit,
+    /// e.g. `attn.c_attn.weight` in unit `h.0`) and applies it.
+    ///
+    /// Under `FullShard`/`ShardGradOp` the parameters are gathered here and
+    /// the unit's activations are not kept: the backward gathers (or, for
+    /// `ShardGradOp`, reuses) the parameters, runs `f` again and
+    /// reduce-scatters the gradients at once. `f` must therefore compute the
+    /// same thing when called twice.
+    pub fn forward_unit<F>(&self, prefix: &str, x: &Tensor, f: F) -> candle_core::Result<Tensor>
+    where
+        F: Fn(VarBuilder<'static>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+    {
+        let u = self.unit(prefix).map_err(wrap)?;
+        if !self.sharding.uses_unit_op(u) {
+            let tensors = self.tracked_params(u).map_err(wrap)?;
+            return f(self.unit_var_builder(u, &tensors), x);
+        }
+        let full = self.unit_params(u).map_err(wrap)?;
+        let out = f(self.unit_var_builder(u, &full), &x.detach())?;
+        if self.sharding.strategy == ShardingStrategy::ShardGradOp {
+            lock(&self.sharding.kept).insert(u, full);
+        } else {
+            drop(full);
+        }
+        // The op needs a tracked input to be reached by the backward.
+        let x = if x.track_op() {
+            x.clone()
+        } else {
+            Var::from_tensor(x)?.as_tensor().clone()
+        };
+        let f: Arc<UnitFn> = Arc::new(f);
+        let node = x.apply_op1(UnitOp {
+            model: self.clone(),
+            unit: u,
+            f,
+            out_shape: out.shape().clone(),
+            out_dtype: out.dtype(),
+        })?;
+        node + out
+    }
+
+    /// The full parameters of unit `u`, untracked: gathered from the pieces,
+    /// or the persistent copy when the strategy keeps one.
+    pub(crate) fn unit_params(&self, u: usize) -> Result<Vec<Tensor>> {
+        if let Some(vars) = self.sharding.persistent(u) {
+            return Ok(vars.iter().map(|v| v.as_tensor().detach()).collect());
+        }
+        let pieces = self.params.pieces(&self.sharding.units[u].ids);
+        self.sharding.gather(u, &pieces)
+    }
+
+    /// Full parameters of unit `u` as variables of the current graph; their
+    /// gradients are collected by [`FsdpModel::collect_gradients`].
+    fn tracked_params(&self, u: usize) -> Result<Vec<Tensor>> {
+        let tensors: Vec<Tensor> = match self.sharding.persistent(u) {
+            Some(vars) => vars.iter().map(|v| v.as_tensor().clone()).collect(),
+            None => self
+                .unit_params(u)?
+                .iter()
+                .map(|t| Ok(Var::from_tensor(t)?.as_tensor().clone()))
+                .collect::<Result<_>>()?,
+        };
+        lock(&self.sharding.live).insert(u, tensors.clone());
+        Ok(tensors)
+    }
+
+    /// A `VarBuilder` over `tensors`, the full parameters of unit `u` in
+    /// layout order, named relative to the unit.
+    pub(crate) fn unit_var_builder(&self, u: usize, tensors: &[Tensor]) -> VarBuilder<'static> {
+        let unit = &self.sharding.units[u];
+        let strip = if unit.prefix.is_empty() {
+            0
+        } else {
+            unit.prefix.len() + 1
+        };
+        let map: HashMap<String, Tensor> = unit
+            .layout
+            .slots()
+            .iter()
+            .zip(tensors)
+            .map(|(s, t)| (s.name[strip..].to_string(), t.clone()))
+            .collect();
+        VarBuilder::from_tensors(map, self.sharding.param_dtype, &self.sharding.device)
+    }
+
+    /// Reduces the gradients the backward left on the full parameters handed
+    /// out by `root` (and by unrecomputed units) into this rank's pieces.
+    pub(crate) fn collect_gradients(&self, store: &GradStore) -> Result<()> {
+        let live = std::mem::take(&mut *lock(&self.sharding.live));
+        for (u, tensors) in live {
+            let grads = tensors
+                .iter()
+                .map(|t| match store.get(t) {
+                    Some(g) => Ok(g.clone()),
+                    None => t.zeros_like(),
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let pieces = self.sharding.reduce(u, &grads)?;
+            self.params
+                .accumulate_pieces(&self.sharding.units[u].ids, &pieces)?;
+        }
+        // Units whose backward never ran (a forward without loss) let go here.
+        lock(&self.sharding.kept).clear();
+        Ok(())
+    }
+}
+
+fn wrap(e: Error) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}

@@ -1,0 +1,92 @@
+//! The autograd node of a wrapped unit: its forward runs outside the graph
+//! on gathered parameters that are freed right after, and its backward
+//! gathers them again, recomputes the unit with a graph, backpropagates the
+//! upstream gradient through it and reduce-scatters the parameter gradients.
+//!
+//! candle has no backward hooks, so the unit enters the graph as
+//! `x.apply_op1(UnitOp) + out.detach()`: the op's forward yields zeros (its
+//! value never matters), the addition passes the output gradient to the
+//! op's `bwd`, and only the unit's input and output stay in the graph.
+
+use std::sync::Arc;
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cpu_backend::CpuDevice;
+use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
+use candle_nn::VarBuilder;
+
+use super::model::FsdpModel;
+use super::sharding::lock;
+
+/// A unit's computation: builds the unit from a `VarBuilder` over its full
+/// parameters (names relative to the unit) and applies it to the input.
+pub type UnitFn = dyn Fn(VarBuilder<'static>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync;
+
+pub(crate) struct UnitOp {
+    pub model: FsdpModel,
+    pub unit: usize,
+    pub f: Arc<UnitFn>,
+    pub out_shape: Shape,
+    pub out_dtype: DType,
+}
+
+fn wrap(e: crate::Error) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+impl CustomOp1 for UnitOp {
+    fn name(&self) -> &'static str {
+        "fsdp_unit"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let zeros = CpuDevice.zeros_impl(&self.out_shape, self.out_dtype)?;
+        Ok((zeros, self.out_shape.clone()))
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, _: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        let zeros = s.device().zeros_impl(&self.out_shape, self.out_dtype)?;
+        Ok((zeros, self.out_shape.clone()))
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let sharding = self.model.sharding();
+        let kept = lock(&sharding.kept).remove(&self.unit);
+        let full = match kept {
+            Some(full) => full,
+            None => self.model.unit_params(self.unit).map_err(wrap)?,
+        };
+        let vars = full
+            .iter()
+            .map(Var::from_tensor)
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        drop(full);
+        let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let x = Var::from_tensor(&arg.detach())?;
+        let vb = self.model.unit_var_builder(self.unit, &tensors);
+        let out = (self.f)(vb, x.as_tensor())?;
+        // d/d(out) of sum(out * g) is exactly g, whatever the dtype.
+        let grads = (out * grad.detach())?.sum_all()?.backward()?;
+        let param_grads = tensors
+            .iter()
+            .map(|t| match grads.get(t) {
+                Some(g) => Ok(g.clone()),
+                None => t.zeros_like(),
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let gx = grads.get(x.as_tensor()).cloned();
+        drop(grads);
+        let pieces = sharding.reduce(self.unit, &param_grads).map_err(wrap)?;
+        drop(param_grads);
+        self.model
+            .params()
+            .accumulate_pieces(&sharding.units[self.unit].ids, &pieces)
+            .map_err(wrap)?;
+        Ok(gx)
+    }
+}

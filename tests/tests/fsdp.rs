@@ -1,0 +1,174 @@
+//! Fully sharded data parallelism: in one process against the plain model,
+//! and at 2 and 3 ranks against DDP.
+
+use std::path::Path;
+
+use accel_core::dist::launch::{plan, run, LaunchConfig, RunOptions};
+use accel_core::fsdp::{AutoWrapPolicy, FullyShardedDataParallelPlugin, ShardingStrategy};
+use accel_core::{Accelerator, AcceleratorConfig};
+use accel_examples::{Gpt, GptConfig};
+use accel_tests::result_weights;
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+
+fn cfg() -> GptConfig {
+    GptConfig {
+        vocab_size: 40,
+        n_embd: 32,
+        n_layer: 2,
+        n_head: 2,
+        block_size: 16,
+    }
+}
+
+fn batch() -> (Tensor, Tensor) {
+    let ids: Vec<u32> = (0..4 * 16).map(|i| (i * 7 + 3) % 40).collect();
+    let x = Tensor::from_vec(ids.clone(), (4, 16), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec(
+        ids.iter().map(|i| (i + 1) % 40).collect::<Vec<u32>>(),
+        (4, 16),
+        &Device::Cpu,
+    )
+    .unwrap();
+    (x, y)
+}
+
+fn blocks() -> AutoWrapPolicy {
+    AutoWrapPolicy::Transformer {
+        patterns: vec!["h.*".into()],
+    }
+}
+
+fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f32;
+    for ((na, ta), (nb, tb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        let ta: Vec<f32> = ta.flatten_all().unwrap().to_vec1().unwrap();
+        let tb: Vec<f32> = tb.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(ta.len(), tb.len(), "{na}");
+        for (x, y) in ta.iter().zip(&tb) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    worst
+}
+
+#[test]
+fn every_strategy_gives_the_plain_models_loss_and_gradients_in_one_process() {
+    let (x, y) = batch();
+    let mut acc = Accelerator::new(AcceleratorConfig::default().with_seed(3)).unwrap();
+    let varmap = VarMap::new();
+    let gpt = Gpt::new(cfg(), acc.var_builder(&varmap)).unwrap();
+    let params = acc.prepare_model(&varmap).unwrap();
+    let loss = gpt.loss(&x, &y).unwrap();
+    acc.backward(&loss).unwrap();
+    let want = params.gradients();
+    let want_loss: f32 = loss.to_scalar().unwrap();
+
+    for strategy in [
+        ShardingStrategy::FullShard,
+        ShardingStrategy::ShardGradOp,
+        ShardingStrategy::ShardOptimizer,
+        ShardingStrategy::NoShard,
+    ] {
+        for policy in [blocks(), AutoWrapPolicy::NoWrap] {
+            let plugin =
+                FullyShardedDataParallelPlugin::new(strategy).with_auto_wrap_policy(policy.clone());
+            let mut acc =
+                Accelerator::new(AcceleratorConfig::default().with_seed(3).with_fsdp(plugin))
+                    .unwrap();
+            let (shell, fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg(), vb)).unwrap();
+            let loss = shell.loss_fsdp(&fsdp, &x, &y).unwrap();
+            assert_eq!(
+                loss.to_scalar::<f32>().unwrap(),
+                want_loss,
+                "{strategy:?} {policy:?}"
+            );
+            acc.backward(&loss).unwrap();
+            let got = fsdp.params().gradients();
+            let worst = max_diff(&want, &got);
+            assert!(
+                worst < 1e-6,
+                "{strategy:?} {policy:?}: gradient differs by {worst}"
+            );
+        }
+    }
+}
+
+const WORKER: &str = env!("CARGO_BIN_EXE_train_worker");
+
+/// Trains the tiny job for 4 steps on `world` ranks (batch 4 per rank,
+/// 2 micro-batches per step) and returns its final full weights.
+fn train(dir: &Path, world: usize, fsdp: &[&str]) -> Vec<(String, Vec<f32>)> {
+    std::fs::create_dir_all(dir).unwrap();
+    let out = dir.join("result.json");
+    let mut config = LaunchConfig::local(world, WORKER);
+    let mut args: Vec<String> = [
+        "--dir",
+        &dir.display().to_string(),
+        "--steps",
+        "4",
+        "--accumulation",
+        "2",
+        "--batch-size",
+        "4",
+        "--constant-lr",
+        "--out",
+        &out.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(fsdp.iter().map(|s| s.to_string()));
+    config.args = args.into_iter().map(Into::into).collect();
+    config.timeout = Some(std::time::Duration::from_secs(60));
+    run(&plan(&config).unwrap(), &RunOptions::default()).unwrap();
+    result_weights(&out)
+}
+
+fn worst(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f32;
+    for ((na, wa), (nb, wb)) in a.iter().zip(b) {
+        assert_eq!((na, wa.len()), (nb, wb.len()));
+        for (x, y) in wa.iter().zip(wb) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    worst
+}
+
+#[test]
+fn fsdp_training_ends_with_the_ddp_weights_at_two_and_three_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runs: [(usize, &[&[&str]]); 2] = [
+        (
+            2,
+            &[
+                &["--fsdp", "FULL_SHARD", "--wrap-blocks"],
+                &["--fsdp", "SHARD_GRAD_OP", "--wrap-blocks"],
+                &["--fsdp", "SHARD_OPTIMIZER"],
+                &["--fsdp", "NO_SHARD", "--wrap-blocks"],
+            ],
+        ),
+        (
+            3,
+            &[
+                &["--fsdp", "FULL_SHARD", "--wrap-blocks"],
+                &["--fsdp", "SHARD_OPTIMIZER", "--wrap-blocks"],
+            ],
+        ),
+    ];
+    for (world, variants) in runs {
+        let ddp = train(&tmp.path().join(format!("ddp{world}")), world, &[]);
+        for (k, v) in variants.iter().enumerate() {
+            let got = train(&tmp.path().join(format!("fsdp{world}_{k}")), world, v);
+            let w = worst(&ddp, &got);
+            assert!(
+                w < 1e-5,
+                "{world} ranks {v:?}: largest weight difference {w}"
+            );
+        }
+    }
+}
