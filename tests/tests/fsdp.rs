@@ -10,6 +10,7 @@ use accel_examples::{Gpt, GptConfig};
 use accel_tests::result_weights;
 use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
+use serde_json::Value;
 
 fn cfg() -> GptConfig {
     GptConfig {
@@ -98,15 +99,27 @@ fn every_strategy_gives_the_plain_models_loss_and_gradients_in_one_process() {
 
 const WORKER: &str = env!("CARGO_BIN_EXE_train_worker");
 
+/// Runs `train_worker` on `world` ranks with `args` (after `--dir dir`) and
+/// returns the main process's result; `Err` holds the launcher's error.
+fn launch(dir: &Path, world: usize, args: &[&str]) -> Result<Value, String> {
+    std::fs::create_dir_all(dir).unwrap();
+    let out = dir.join("result.json");
+    let _ = std::fs::remove_file(&out);
+    let mut config = LaunchConfig::local(world, WORKER);
+    let mut all: Vec<String> = vec!["--dir".into(), dir.display().to_string()];
+    all.extend(args.iter().map(|s| s.to_string()));
+    all.extend(["--out".to_string(), out.display().to_string()]);
+    config.args = all.into_iter().map(Into::into).collect();
+    config.timeout = Some(std::time::Duration::from_secs(60));
+    run(&plan(&config).unwrap(), &RunOptions::default()).map_err(|e| e.to_string())?;
+    let text = std::fs::read_to_string(&out).unwrap();
+    Ok(serde_json::from_str(&text).unwrap())
+}
+
 /// Trains the tiny job for 4 steps on `world` ranks (batch 4 per rank,
 /// 2 micro-batches per step) and returns its final full weights.
 fn train(dir: &Path, world: usize, fsdp: &[&str]) -> Vec<(String, Vec<f32>)> {
-    std::fs::create_dir_all(dir).unwrap();
-    let out = dir.join("result.json");
-    let mut config = LaunchConfig::local(world, WORKER);
-    let mut args: Vec<String> = [
-        "--dir",
-        &dir.display().to_string(),
+    let mut args = vec![
         "--steps",
         "4",
         "--accumulation",
@@ -114,17 +127,10 @@ fn train(dir: &Path, world: usize, fsdp: &[&str]) -> Vec<(String, Vec<f32>)> {
         "--batch-size",
         "4",
         "--constant-lr",
-        "--out",
-        &out.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(fsdp.iter().map(|s| s.to_string()));
-    config.args = args.into_iter().map(Into::into).collect();
-    config.timeout = Some(std::time::Duration::from_secs(60));
-    run(&plan(&config).unwrap(), &RunOptions::default()).unwrap();
-    result_weights(&out)
+    ];
+    args.extend(fsdp);
+    launch(dir, world, &args).unwrap();
+    result_weights(&dir.join("result.json"))
 }
 
 fn worst(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
@@ -171,4 +177,95 @@ fn fsdp_training_ends_with_the_ddp_weights_at_two_and_three_ranks() {
             );
         }
     }
+}
+
+const SHARD: [&str; 3] = ["--fsdp", "FULL_SHARD", "--wrap-blocks"];
+
+fn with<'a>(base: &[&'a str], more: &[&'a str]) -> Vec<&'a str> {
+    base.iter().chain(more).copied().collect()
+}
+
+#[test]
+fn fsdp_resume_on_the_same_world_size_is_bitwise_with_full_and_sharded_state_dicts() {
+    for extra in [&[][..], &["--sharded-state-dict"][..]] {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = with(&SHARD, extra);
+        let straight = launch(
+            &tmp.path().join("straight"),
+            2,
+            &with(&base, &["--steps", "6"]),
+        )
+        .unwrap();
+        let split = tmp.path().join("split");
+        let first = launch(&split, 2, &with(&base, &["--steps", "3", "--save"])).unwrap();
+        let second = launch(&split, 2, &with(&base, &["--steps", "6", "--resume"])).unwrap();
+        let mut losses = first["losses"].as_array().unwrap().clone();
+        losses.extend(second["losses"].as_array().unwrap().iter().cloned());
+        assert_eq!(
+            Value::Array(losses),
+            straight["losses"],
+            "{extra:?}: losses differ after resume"
+        );
+        assert_eq!(
+            second["weights"], straight["weights"],
+            "{extra:?}: weights differ after resume"
+        );
+
+        let ckpt = split.join("checkpoints/checkpoint_0");
+        if extra.is_empty() {
+            // The files of a DDP run: full weights and optimizer state.
+            assert!(ckpt.join("model.safetensors").is_file());
+            assert!(ckpt.join("optimizer.safetensors").is_file());
+        } else {
+            assert!(!ckpt.join("model.safetensors").exists());
+            assert!(ckpt.join("model_fsdp_0/rank_1.safetensors").is_file());
+            assert!(ckpt.join("optimizer_rank1.safetensors").is_file());
+            // `accel merge-weights` gives the full weights bit for bit.
+            let out = tmp.path().join("merged");
+            let args = accel_core::cli::MergeWeightsArgs {
+                checkpoint_directory: ckpt.clone(),
+                output_path: out.clone(),
+                max_shard_size: "10GB".into(),
+                remove_checkpoint_dir: false,
+            };
+            accel_core::cli::merge_weights(&args).unwrap();
+            let merged = accel_core::checkpoint::read_safetensors(
+                out.join("model.safetensors"),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let want = first["weights"].as_object().unwrap();
+            assert_eq!(merged.len(), want.len());
+            for (name, t) in merged {
+                let bits: Vec<Value> = t
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| Value::from(x.to_bits()))
+                    .collect();
+                assert_eq!(Value::Array(bits), want[&name], "{name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_full_state_dict_resumes_at_another_world_size_and_a_sharded_one_says_how_to_merge() {
+    let tmp = tempfile::tempdir().unwrap();
+    let full = tmp.path().join("full");
+    let saved = launch(&full, 2, &with(&SHARD, &["--steps", "2", "--save"])).unwrap();
+    // Resuming without further steps returns the loaded weights: at 3 ranks
+    // under FSDP, and in one plain process.
+    let at3 = launch(&full, 3, &with(&SHARD, &["--steps", "2", "--resume"])).unwrap();
+    assert_eq!(at3["weights"], saved["weights"]);
+    let plain = launch(&full, 1, &["--steps", "2", "--resume"]).unwrap();
+    assert_eq!(plain["weights"], saved["weights"]);
+
+    let sharded = tmp.path().join("sharded");
+    let args = with(&SHARD, &["--sharded-state-dict"]);
+    launch(&sharded, 2, &with(&args, &["--steps", "2", "--save"])).unwrap();
+    let err = launch(&sharded, 3, &with(&args, &["--steps", "2", "--resume"])).unwrap_err();
+    assert!(err.contains("failed"), "{err}");
 }

@@ -17,8 +17,12 @@
 
 use std::path::{Path, PathBuf};
 
+use accel_dist::CommunicatorExt;
+
 use super::Accelerator;
 use crate::checkpoint::{self, AtomicDir, StateDict};
+use crate::fsdp::state_dict as fsdp_state;
+use crate::fsdp::StateDictType;
 use crate::model::PreparedModel;
 use crate::rng::SplitMix64;
 use crate::{Error, Result};
@@ -77,17 +81,26 @@ impl Accelerator {
         {
             tracing::warn!("save_state in the middle of an accumulation cycle: accumulated gradients are not saved");
         }
-        // Model, optimizer and loader states are identical on every rank: the
-        // main process writes them (with its own RNG state) and publishes the
-        // folder atomically; then every other rank adds its RNG state file.
+        // Sharded models gather their full state first (every rank takes
+        // part). Then every rank writes its own files (RNG state, sharded
+        // pieces) into the main process's temporary folder, and the main
+        // process adds the shared state and publishes the folder atomically.
+        let states = self.states_to_save()?;
+        let mut tmp = None;
+        let mut tmp_path = vec![String::new()];
         if self.is_main_process() {
-            let tmp = AtomicDir::begin(&dir)?;
-            self.write_state(tmp.path())?;
-            tmp.commit()?;
+            let t = AtomicDir::begin(&dir)?;
+            tmp_path[0] = t.path().display().to_string();
+            tmp = Some(t);
         }
+        if self.num_processes() > 1 {
+            self.comm().broadcast_object_list(&mut tmp_path, 0)?;
+        }
+        self.write_rank_state(Path::new(&tmp_path[0]), &states)?;
         self.wait_for_everyone()?;
-        if !self.is_main_process() {
-            self.write_random_state(&dir)?;
+        if let Some(t) = tmp {
+            self.write_state(t.path(), states)?;
+            t.commit()?;
         }
         self.wait_for_everyone()?;
         if self.config.project.automatic_checkpoint_naming {
@@ -107,13 +120,60 @@ impl Accelerator {
         Ok(())
     }
 
-    fn write_state(&self, out: &Path) -> Result<()> {
-        for (i, m) in self.models.iter().enumerate() {
-            let tensors = m.master_weights().into_iter().collect();
-            checkpoint::save_state_dict(out, &stem("model", i), &StateDict::from_tensors(tensors))?;
+    /// What the models and optimizers save: full states (gathered for
+    /// sharded models with FULL_STATE_DICT; a collective) or, for
+    /// SHARDED_STATE_DICT, this rank's own.
+    fn states_to_save(&self) -> Result<SavedStates> {
+        let mut models = Vec::with_capacity(self.models.len());
+        for m in &self.models {
+            models.push(match m.sharding() {
+                Some(s) if s.state_dict_type == StateDictType::ShardedStateDict => None,
+                _ => Some(StateDict::from_tensors(
+                    m.full_weights()?.into_iter().collect(),
+                )),
+            });
         }
-        for (i, o) in self.optimizers.iter().enumerate() {
-            checkpoint::save_state_dict(out, &stem("optimizer", i), &o.state_dict()?)?;
+        let mut optimizers = Vec::with_capacity(self.optimizers.len());
+        for o in &self.optimizers {
+            let state = o.state_dict()?;
+            optimizers.push(match o.model().sharding() {
+                None => Saved::Shared(state),
+                Some(s) if s.state_dict_type == StateDictType::ShardedStateDict => {
+                    Saved::PerRank(state)
+                }
+                Some(s) => Saved::Shared(fsdp_state::full_optimizer_state(&s, state)?),
+            });
+        }
+        Ok(SavedStates { models, optimizers })
+    }
+
+    /// Files every rank writes: its RNG state and its sharded pieces.
+    fn write_rank_state(&self, out: &Path, states: &SavedStates) -> Result<()> {
+        self.write_random_state(out)?;
+        for (i, (m, saved)) in self.models.iter().zip(&states.models).enumerate() {
+            if let (Some(s), None) = (m.sharding(), saved) {
+                fsdp_state::write_sharded_model(m, &s, out, i)?;
+            }
+        }
+        for (i, saved) in states.optimizers.iter().enumerate() {
+            if let Saved::PerRank(state) = saved {
+                let stem = fsdp_state::rank_stem(&stem("optimizer", i), self.process_index());
+                checkpoint::save_state_dict(out, &stem, state)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_state(&self, out: &Path, states: SavedStates) -> Result<()> {
+        for (i, state) in states.models.into_iter().enumerate() {
+            if let Some(state) = state {
+                checkpoint::save_state_dict(out, &stem("model", i), &state)?;
+            }
+        }
+        for (i, saved) in states.optimizers.into_iter().enumerate() {
+            if let Saved::Shared(state) = saved {
+                checkpoint::save_state_dict(out, &stem("optimizer", i), &state)?;
+            }
         }
         for (i, s) in self.schedulers.iter().enumerate() {
             checkpoint::save_state_dict(
@@ -131,7 +191,6 @@ impl Accelerator {
             let meta = s.lock().unwrap_or_else(|e| e.into_inner()).to_json();
             checkpoint::save_state_dict(out, "scaler", &StateDict::from_meta(meta))?;
         }
-        self.write_random_state(out)?;
         for (i, c) in self.custom.iter().enumerate() {
             let state = c.lock().unwrap_or_else(|e| e.into_inner()).state_dict()?;
             checkpoint::save_state_dict(out, &format!("custom_checkpoint_{i}"), &state)?;
@@ -177,8 +236,22 @@ impl Accelerator {
         }
         let dev = self.device().clone();
         let load = |s: &str| checkpoint::load_state_dict(&dir, s, &dev);
-        let optim: Vec<StateDict> = (0..self.optimizers.len())
-            .map(|i| load(&stem("optimizer", i)))
+        let rank = self.process_index();
+        let optim: Vec<StateDict> = self
+            .optimizers
+            .iter()
+            .enumerate()
+            .map(|(i, o)| match o.model().sharding() {
+                None => load(&stem("optimizer", i)),
+                Some(s) => {
+                    let own = fsdp_state::rank_stem(&stem("optimizer", i), rank);
+                    if fsdp_state::check_sharded_world(&s, &dir, i)? {
+                        load(&own)
+                    } else {
+                        fsdp_state::optimizer_pieces(&s, load(&stem("optimizer", i))?)
+                    }
+                }
+            })
             .collect::<Result<_>>()?;
         let sched: Vec<StateDict> = (0..self.schedulers.len())
             .map(|i| load(&stem("scheduler", i)))
@@ -187,7 +260,19 @@ impl Accelerator {
             .map(|i| load(&stem("sampler", i)))
             .collect::<Result<_>>()?;
         let scaler = self.scaler.as_ref().map(|_| load("scaler")).transpose()?;
-        let random = load(&format!("random_states_{}", self.process_index()))?;
+        // A run resumed on more ranks than saved it has no RNG state of its
+        // own: it starts from the main process's (Accelerate logs and goes on).
+        let own_random = format!("random_states_{}", self.process_index());
+        let random_stem = if rank > 0 && !dir.join(format!("{own_random}.json")).is_file() {
+            tracing::warn!(
+                "{} has no {own_random}.json; using random_states_0",
+                dir.display()
+            );
+            "random_states_0".to_string()
+        } else {
+            own_random
+        };
+        let random = load(&random_stem)?;
         let custom: Vec<StateDict> = (0..self.custom.len())
             .map(|i| load(&format!("custom_checkpoint_{i}")))
             .collect::<Result<_>>()?;
@@ -195,7 +280,10 @@ impl Accelerator {
         // Models are validated as a whole by restore_vars before any weight changes.
         for (i, m) in self.models.iter().enumerate() {
             let path = dir.join(format!("{}.safetensors", stem("model", i)));
-            restore_model(m, &path)?;
+            match m.sharding() {
+                Some(s) => fsdp_state::restore_sharded(m, &s, &dir, i, &path)?,
+                None => restore_model(m, &path)?,
+            }
         }
         for (o, s) in self.optimizers.iter().zip(optim) {
             o.load_state_dict(s)
@@ -221,7 +309,7 @@ impl Accelerator {
                     reason: "expected scale, growth_factor, backoff_factor, growth_interval, _growth_tracker".into(),
                 })?;
         }
-        let random_path = dir.join(format!("random_states_{}.json", self.process_index()));
+        let random_path = dir.join(format!("{random_stem}.json"));
         let field = |k: &str| {
             random
                 .meta
@@ -254,12 +342,27 @@ impl Accelerator {
         max_shard_size: &str,
     ) -> Result<Vec<PathBuf>> {
         let limit = checkpoint::parse_size(max_shard_size)?;
-        let tensors = model.master_weights().into_iter().collect();
+        let tensors = model.full_weights()?.into_iter().collect();
         if !self.is_main_process() {
             return Ok(vec![]);
         }
         checkpoint::save_model(dir.as_ref(), &tensors, limit)
     }
+}
+
+/// What `save_state` writes for the models and optimizers.
+struct SavedStates {
+    /// Full model states for the main process to write; `None` for a sharded
+    /// model each rank writes itself.
+    models: Vec<Option<StateDict>>,
+    optimizers: Vec<Saved>,
+}
+
+enum Saved {
+    /// The same on every rank: the main process writes it.
+    Shared(StateDict),
+    /// This rank's own part of a sharded optimizer state.
+    PerRank(StateDict),
 }
 
 fn restore_model(model: &PreparedModel, path: &Path) -> Result<()> {

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use accel_core::cli::{
-    config_command, device_map, env_report, estimate_memory, launch, Cli, Command,
+    config_command, device_map, env_report, estimate_memory, launch, merge_weights, Cli, Command,
 };
 use clap::Parser;
 
@@ -21,6 +21,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Env(args) => print!("{}", env_report(&args)?),
         Command::Launch(args) => launch(&args)?,
         Command::EstimateMemory(args) => println!("{}", estimate_memory(&args)?),
+        Command::MergeWeights(args) => {
+            for path in merge_weights(&args)? {
+                println!("wrote {}", path.display());
+            }
+        }
     }
     Ok(())
 }

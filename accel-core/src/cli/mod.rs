@@ -6,12 +6,14 @@ mod device_map_cmd;
 mod env_cmd;
 mod estimate_cmd;
 mod launch_cmd;
+mod merge_cmd;
 
 pub use config_cmd::{ask_config, config_command, ConfigArgs, ConfigCommand, ConfigDefaultArgs};
 pub use device_map_cmd::{device_map, read_model_tree, DeviceMapArgs};
 pub use env_cmd::{env_report, EnvArgs};
 pub use estimate_cmd::{convert_bytes, estimate_memory, estimate_rows, EstimateArgs, EstimateRow};
 pub use launch_cmd::{launch, LaunchArgs};
+pub use merge_cmd::{merge_weights, MergeWeightsArgs};
 
 use clap::{Parser, Subcommand};
 
@@ -41,4 +43,6 @@ pub enum Command {
     EstimateMemory(EstimateArgs),
     /// Run a program on several processes with torchrun's environment variables.
     Launch(LaunchArgs),
+    /// Merge a sharded FSDP checkpoint (`SHARDED_STATE_DICT`) into `model.safetensors`.
+    MergeWeights(MergeWeightsArgs),
 }

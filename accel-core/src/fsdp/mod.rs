@@ -52,11 +52,13 @@ mod init;
 mod model;
 mod plugin;
 pub(crate) mod sharding;
+pub(crate) mod state_dict;
 mod unit_op;
 
 pub(crate) use init::ShardedInit;
 pub use model::FsdpModel;
 pub use plugin::{FullyShardedDataParallelPlugin, MixedPrecisionPolicy, StateDictType};
+pub use state_dict::merge_sharded_weights;
 pub use unit_op::UnitFn;
 
 pub use accel_dist::fsdp::{AutoWrapPolicy, ShardingStrategy};

@@ -88,12 +88,9 @@ impl FsdpModel {
         };
         let sharding = Arc::new(Sharding::new(
             comm,
-            plugin.sharding_strategy,
-            param_dtype,
-            reduce_dtype,
-            device,
-            master_device,
-            plugin.activation_checkpointing,
+            plugin,
+            (param_dtype, reduce_dtype),
+            (device, master_device),
             units,
             names.len(),
         ));

@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use accel_dist::fsdp::{ShardLayout, ShardingStrategy};
 use accel_dist::{Communicator, ReduceOp};
 
+use super::plugin::{FullyShardedDataParallelPlugin, StateDictType};
 use crate::{Error, Result};
 
 /// One separately gathered group of parameters.
@@ -36,6 +37,10 @@ pub(crate) struct Sharding {
     pub master_device: Device,
     /// Recompute wrapped units in backward even when parameters stay full.
     pub checkpoint_units: bool,
+    /// How `save_state` writes this model.
+    pub state_dict_type: StateDictType,
+    /// Only rank 0 reads a full checkpoint; the others receive it.
+    pub rank0_loading: bool,
     pub units: Vec<Unit>,
     /// For each parameter id: its unit and slot.
     pub slot_of: Vec<(usize, usize)>,
@@ -63,15 +68,12 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Sharding {
-    #[allow(clippy::too_many_arguments)]
+    /// The sharding of `units` as `plugin` describes, for `num_params` parameters.
     pub fn new(
         comm: Arc<dyn Communicator>,
-        strategy: ShardingStrategy,
-        param_dtype: DType,
-        reduce_dtype: DType,
-        device: Device,
-        master_device: Device,
-        checkpoint_units: bool,
+        plugin: &FullyShardedDataParallelPlugin,
+        (param_dtype, reduce_dtype): (DType, DType),
+        (device, master_device): (Device, Device),
         units: Vec<Unit>,
         num_params: usize,
     ) -> Self {
@@ -84,12 +86,14 @@ impl Sharding {
         let n = units.len();
         Self {
             comm,
-            strategy,
+            strategy: plugin.sharding_strategy,
             param_dtype,
             reduce_dtype,
             device,
             master_device,
-            checkpoint_units,
+            checkpoint_units: plugin.activation_checkpointing,
+            state_dict_type: plugin.state_dict_type,
+            rank0_loading: plugin.cpu_ram_efficient_loading,
             units,
             slot_of,
             persistent: Mutex::new(vec![None; n]),

@@ -84,7 +84,7 @@ fn main() -> Result<()> {
     let mut done = 0;
     if args.resume {
         acc.load_state(None)?;
-        done = job.sched.scheduler().last_epoch;
+        done = acc.gradient_state().step() / args.accumulation as u64;
     }
     if args.save_forever {
         loop {

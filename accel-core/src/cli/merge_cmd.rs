@@ -1,0 +1,46 @@
+//! `accel merge-weights`: a sharded FSDP checkpoint into `model.safetensors`.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use crate::checkpoint;
+use crate::fsdp::merge_sharded_weights;
+use crate::Result;
+
+/// Arguments of `accel merge-weights` (Accelerate's names).
+#[derive(Debug, Clone, Args)]
+pub struct MergeWeightsArgs {
+    /// A `model_fsdp_{i}` folder, or a checkpoint folder holding `model_fsdp_0`.
+    pub checkpoint_directory: PathBuf,
+    /// Folder to write `model.safetensors` (or its shards and index) into.
+    pub output_path: PathBuf,
+    /// Largest file before the weights are split into shards with an index.
+    #[arg(long, default_value = "10GB")]
+    pub max_shard_size: String,
+    /// Delete the sharded folder after a successful merge.
+    #[arg(long)]
+    pub remove_checkpoint_dir: bool,
+}
+
+/// Merges the sharded weights and returns the files written.
+pub fn merge_weights(args: &MergeWeightsArgs) -> Result<Vec<PathBuf>> {
+    let limit = checkpoint::parse_size(&args.max_shard_size)?;
+    let tensors = merge_sharded_weights(&args.checkpoint_directory)?;
+    std::fs::create_dir_all(&args.output_path)
+        .map_err(|e| crate::Error::io("creating", &args.output_path, e))?;
+    let written = checkpoint::save_model(&args.output_path, &tensors, limit)?;
+    if args.remove_checkpoint_dir {
+        remove_sharded(&args.checkpoint_directory)?;
+    }
+    Ok(written)
+}
+
+fn remove_sharded(dir: &Path) -> Result<()> {
+    let folder = if dir.join("index.json").is_file() {
+        dir.to_path_buf()
+    } else {
+        dir.join("model_fsdp_0")
+    };
+    std::fs::remove_dir_all(&folder).map_err(|e| crate::Error::io("removing", &folder, e))
+}
