@@ -118,6 +118,12 @@ impl FsdpModel {
         self.sharding.strategy
     }
 
+    /// Bytes of full parameters this rank keeps between steps: the whole
+    /// model under `ShardOptimizer`/`NoShard`, nothing under ZeRO-2/3.
+    pub fn resident_full_parameter_bytes(&self) -> usize {
+        self.sharding.persistent_bytes()
+    }
+
     /// Names of the wrapped units, as the auto-wrap policy formed them
     /// (the root unit, `""`, is not listed).
     pub fn unit_names(&self) -> Vec<String> {

@@ -149,6 +149,16 @@ impl Sharding {
         lock(&self.persistent)[u].clone()
     }
 
+    /// Bytes of the full parameters kept between steps (ZeRO-1 / NO_SHARD).
+    pub fn persistent_bytes(&self) -> usize {
+        lock(&self.persistent)
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|v| v.elem_count() * v.dtype().size_in_bytes())
+            .sum()
+    }
+
     /// Gathers every unit that keeps full parameters from `masters` (all
     /// pieces, by id) into its persistent variables; called at preparation
     /// and after every optimizer step.
