@@ -4,11 +4,13 @@
 use std::path::Path;
 
 use accel_core::dist::launch::{plan, run, LaunchConfig, RunOptions};
-use accel_core::fsdp::{AutoWrapPolicy, FullyShardedDataParallelPlugin, ShardingStrategy};
-use accel_core::{Accelerator, AcceleratorConfig};
+use accel_core::fsdp::{
+    AutoWrapPolicy, FullyShardedDataParallelPlugin, MixedPrecisionPolicy, ShardingStrategy,
+};
+use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
 use accel_examples::{Gpt, GptConfig};
 use accel_tests::result_weights;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use serde_json::Value;
 
@@ -55,18 +57,43 @@ fn max_diff(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> f32 {
     worst
 }
 
-#[test]
-fn every_strategy_gives_the_plain_models_loss_and_gradients_in_one_process() {
+/// Loss and gradients of one backward of the plain model in `precision`.
+fn plain_step(precision: PrecisionType) -> (f32, Vec<(String, Tensor)>) {
     let (x, y) = batch();
-    let mut acc = Accelerator::new(AcceleratorConfig::default().with_seed(3)).unwrap();
+    let config = AcceleratorConfig::default()
+        .with_seed(3)
+        .with_mixed_precision(precision);
+    let mut acc = Accelerator::new(config).unwrap();
     let varmap = VarMap::new();
     let gpt = Gpt::new(cfg(), acc.var_builder(&varmap)).unwrap();
     let params = acc.prepare_model(&varmap).unwrap();
     let loss = gpt.loss(&x, &y).unwrap();
     acc.backward(&loss).unwrap();
-    let want = params.gradients();
-    let want_loss: f32 = loss.to_scalar().unwrap();
+    let loss = loss.to_dtype(DType::F32).unwrap().to_scalar().unwrap();
+    (loss, params.gradients())
+}
 
+/// The same under FSDP with `plugin`.
+fn fsdp_step(
+    precision: PrecisionType,
+    plugin: FullyShardedDataParallelPlugin,
+) -> (f32, Vec<(String, Tensor)>) {
+    let (x, y) = batch();
+    let config = AcceleratorConfig::default()
+        .with_seed(3)
+        .with_mixed_precision(precision)
+        .with_fsdp(plugin);
+    let mut acc = Accelerator::new(config).unwrap();
+    let (shell, fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg(), vb)).unwrap();
+    let loss = shell.loss_fsdp(&fsdp, &x, &y).unwrap();
+    acc.backward(&loss).unwrap();
+    let loss = loss.to_dtype(DType::F32).unwrap().to_scalar().unwrap();
+    (loss, fsdp.params().gradients())
+}
+
+#[test]
+fn every_strategy_gives_the_plain_models_loss_and_gradients_in_one_process() {
+    let (want_loss, want) = plain_step(PrecisionType::No);
     for strategy in [
         ShardingStrategy::FullShard,
         ShardingStrategy::ShardGradOp,
@@ -74,27 +101,41 @@ fn every_strategy_gives_the_plain_models_loss_and_gradients_in_one_process() {
         ShardingStrategy::NoShard,
     ] {
         for policy in [blocks(), AutoWrapPolicy::NoWrap] {
-            let plugin =
-                FullyShardedDataParallelPlugin::new(strategy).with_auto_wrap_policy(policy.clone());
-            let mut acc =
-                Accelerator::new(AcceleratorConfig::default().with_seed(3).with_fsdp(plugin))
-                    .unwrap();
-            let (shell, fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg(), vb)).unwrap();
-            let loss = shell.loss_fsdp(&fsdp, &x, &y).unwrap();
-            assert_eq!(
-                loss.to_scalar::<f32>().unwrap(),
-                want_loss,
-                "{strategy:?} {policy:?}"
-            );
-            acc.backward(&loss).unwrap();
-            let got = fsdp.params().gradients();
-            let worst = max_diff(&want, &got);
-            assert!(
-                worst < 1e-6,
-                "{strategy:?} {policy:?}: gradient differs by {worst}"
-            );
+            for checkpointing in [false, true] {
+                let plugin = FullyShardedDataParallelPlugin::new(strategy)
+                    .with_auto_wrap_policy(policy.clone())
+                    .with_activation_checkpointing(checkpointing);
+                let (loss, got) = fsdp_step(PrecisionType::No, plugin);
+                let what = format!("{strategy:?} {policy:?} checkpointing={checkpointing}");
+                assert_eq!(loss, want_loss, "{what}");
+                let worst = max_diff(&want, &got);
+                assert!(worst < 1e-6, "{what}: gradient differs by {worst}");
+            }
         }
     }
+}
+
+#[test]
+fn bf16_fsdp_computes_in_bf16_and_reduces_in_fp32_like_the_plain_model() {
+    let (want_loss, want) = plain_step(PrecisionType::Bf16);
+    let plugin = FullyShardedDataParallelPlugin::new(ShardingStrategy::FullShard)
+        .with_auto_wrap_policy(blocks());
+    let (loss, got) = fsdp_step(PrecisionType::Bf16, plugin.clone());
+    assert_eq!(loss, want_loss);
+    let worst = max_diff(&want, &got);
+    assert!(worst < 1e-6, "gradient differs by {worst}");
+    // An explicit policy that gathers in fp32 computes in fp32: the fp32 loss.
+    let fp32 = plugin.with_mixed_precision_policy(MixedPrecisionPolicy {
+        param_dtype: DType::F32,
+        reduce_dtype: DType::F32,
+    });
+    let (fp32_loss, _) = plain_step(PrecisionType::No);
+    let (x, y) = batch();
+    let mut acc =
+        Accelerator::new(AcceleratorConfig::default().with_seed(3).with_fsdp(fp32)).unwrap();
+    let (shell, fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg(), vb)).unwrap();
+    let loss: f32 = shell.loss_fsdp(&fsdp, &x, &y).unwrap().to_scalar().unwrap();
+    assert_eq!(loss, fp32_loss);
 }
 
 const WORKER: &str = env!("CARGO_BIN_EXE_train_worker");

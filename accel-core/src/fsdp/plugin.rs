@@ -139,7 +139,12 @@ impl FullyShardedDataParallelPlugin {
     /// FSDP is not on. `FSDP_TRANSFORMER_CLS_TO_WRAP` holds comma-separated
     /// module-name patterns (`h.*`), since Rust modules have no class names.
     pub fn from_env() -> Result<Option<Self>> {
-        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Self::from_vars(&|k| std::env::var(k).ok())
+    }
+
+    /// [`FullyShardedDataParallelPlugin::from_env`] over any variable lookup.
+    pub fn from_vars(lookup: &dyn Fn(&str) -> Option<String>) -> Result<Option<Self>> {
+        let var = |k: &str| lookup(k).filter(|v| !v.is_empty());
         let truthy = |k: &str, default: bool| -> Result<bool> {
             match var(k) {
                 None => Ok(default),
@@ -215,5 +220,99 @@ impl FullyShardedDataParallelPlugin {
             p.state_dict_type = t.parse()?;
         }
         Ok(Some(p))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    fn from(pairs: &[(&str, &str)]) -> Result<Option<FullyShardedDataParallelPlugin>> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        FullyShardedDataParallelPlugin::from_vars(&|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn the_launchers_fsdp_variables_become_a_plugin() {
+        assert_eq!(from(&[]).unwrap(), None);
+        let p = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"),
+            ("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"),
+            ("FSDP_TRANSFORMER_CLS_TO_WRAP", "h.*, blocks.*"),
+            ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"),
+            ("FSDP_OFFLOAD_PARAMS", "false"),
+            ("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(p.sharding_strategy, ShardingStrategy::ShardGradOp);
+        assert_eq!(
+            p.auto_wrap_policy,
+            AutoWrapPolicy::Transformer {
+                patterns: vec!["h.*".into(), "blocks.*".into()]
+            }
+        );
+        assert_eq!(p.state_dict_type, StateDictType::ShardedStateDict);
+        assert!(!p.cpu_ram_efficient_loading);
+        // Old config files store the strategy as a number; FSDP2 as reshard_after_forward.
+        let p = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_SHARDING_STRATEGY", "3"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(p.sharding_strategy, ShardingStrategy::NoShard);
+        let p = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_VERSION", "2"),
+            ("FSDP_RESHARD_AFTER_FORWARD", "false"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(p.sharding_strategy, ShardingStrategy::ShardGradOp);
+        let p = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP"),
+            ("FSDP_MIN_NUM_PARAMS", "2000"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            p.auto_wrap_policy,
+            AutoWrapPolicy::Size {
+                min_num_params: 2000
+            }
+        );
+    }
+
+    #[test]
+    fn bad_fsdp_variables_name_the_variable() {
+        let err = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_SHARDING_STRATEGY", "HALF"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("FSDP_SHARDING_STRATEGY") && err.contains("HALF"),
+            "{err}"
+        );
+        let err = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("FSDP_TRANSFORMER_CLS_TO_WRAP"), "{err}");
+        let err = from(&[("ACCELERATE_USE_FSDP", "maybe")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("ACCELERATE_USE_FSDP"), "{err}");
     }
 }
