@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use accel_core::data::TensorDataset;
+use accel_core::fsdp::FsdpModel;
 use accel_core::trainer::{
     IntervalStrategy, Predictions, SchedulerType, TrainModel, Trainer, TrainingArguments,
 };
@@ -67,20 +68,36 @@ struct Args {
     /// Hide the progress bar.
     #[arg(long)]
     disable_tqdm: bool,
+    /// Shard the model (transformers' `fsdp` words), e.g. "full_shard auto_wrap":
+    /// each block `h.*` becomes a unit.
+    #[arg(long, default_value = "")]
+    fsdp: String,
 }
 
-/// The GPT as a `TrainModel`: batches are (inputs, next characters).
-struct CharLm(Gpt);
+/// The GPT as a `TrainModel`: batches are (inputs, next characters); under
+/// FSDP its parameters come through the sharded model.
+struct CharLm(Gpt, Option<FsdpModel>);
 
 impl TrainModel for CharLm {
     type Batch = Vec<Tensor>;
 
     fn loss(&self, b: &Vec<Tensor>) -> accel_core::Result<Tensor> {
-        Ok(self.0.loss(&b[0], &b[1])?)
+        Ok(match &self.1 {
+            Some(f) => self.0.loss_fsdp(f, &b[0], &b[1])?,
+            None => self.0.loss(&b[0], &b[1])?,
+        })
+    }
+
+    fn set_fsdp(&mut self, fsdp: FsdpModel) -> accel_core::Result<()> {
+        self.1 = Some(fsdp);
+        Ok(())
     }
 
     fn predictions(&self, b: &Vec<Tensor>) -> accel_core::Result<Option<Predictions>> {
-        let logits = self.0.forward(&b[0])?;
+        let logits = match &self.1 {
+            Some(f) => self.0.forward_fsdp(f, &b[0])?,
+            None => self.0.forward(&b[0])?,
+        };
         Ok(Some(Predictions {
             predictions: logits.argmax(D::Minus1)?,
             labels: b[1].clone(),
@@ -156,8 +173,15 @@ fn main() -> Result<()> {
         args.resume_from_checkpoint = Some("latest".into());
     }
 
-    let mut trainer = Trainer::new(args, |vb| Ok(CharLm(Gpt::new(cfg, vb)?)), train, Some(eval))?
-        .with_compute_metrics(accuracy);
+    args.fsdp = cli.fsdp.clone();
+    args.fsdp_config.transformer_layer_cls_to_wrap = vec!["h.*".into()];
+    let mut trainer = Trainer::new(
+        args,
+        |vb| Ok(CharLm(Gpt::new(cfg, vb)?, None)),
+        train,
+        Some(eval),
+    )?
+    .with_compute_metrics(accuracy);
     let params = trainer.parameters().num_parameters();
     trainer.accelerator().print(format!(
         "GPT of {params} parameters, {} steps ({} an epoch) on {} process(es)",

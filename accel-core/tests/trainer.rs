@@ -282,3 +282,73 @@ fn the_batch_size_finder_steps_down_by_a_tenth_until_training_fits() -> Result<(
     assert_eq!(out.global_step, 2);
     Ok(())
 }
+
+/// The regression reaching its weights through the sharded model under FSDP.
+struct ShardedRegression(Option<accel_core::fsdp::FsdpModel>);
+
+impl TrainModel for ShardedRegression {
+    type Batch = Vec<Tensor>;
+
+    fn loss(&self, b: &Vec<Tensor>) -> Result<Tensor> {
+        let fsdp = self.0.as_ref().expect("set_fsdp ran");
+        let lin = candle_nn::linear(3, 1, fsdp.root()?)?;
+        Ok(lin.forward(&b[0])?.sub(&b[1])?.sqr()?.mean_all()?)
+    }
+
+    fn set_fsdp(&mut self, fsdp: accel_core::fsdp::FsdpModel) -> Result<()> {
+        self.0 = Some(fsdp);
+        Ok(())
+    }
+}
+
+#[test]
+fn trainer_with_fsdp_trains_like_without_and_a_model_without_fsdp_support_is_refused() {
+    let plain_dir = tempfile::tempdir().unwrap();
+    let mut plain = Trainer::new(
+        args(plain_dir.path()).with_max_steps(12),
+        build,
+        dataset(64, 0),
+        None,
+    )
+    .unwrap();
+    let want = plain.train().unwrap();
+    let want_weights = plain.parameters().full_weights().unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = args(dir.path()).with_max_steps(12);
+    a.fsdp = "full_shard".into();
+    a.accelerator_config.non_blocking = true;
+    let build_sharded = |vb: VarBuilder<'static>| -> Result<ShardedRegression> {
+        candle_nn::linear(3, 1, vb)?;
+        Ok(ShardedRegression(None))
+    };
+    let mut sharded = Trainer::new(a.clone(), build_sharded, dataset(64, 0), None).unwrap();
+    assert!(sharded.parameters().is_sharded());
+    let got = sharded.train().unwrap();
+    assert_eq!(got.global_step, 12);
+    assert!(
+        (got.training_loss - want.training_loss).abs() < 1e-6,
+        "{got:?} vs {want:?}"
+    );
+    let got_weights = sharded.parameters().full_weights().unwrap();
+    for ((n, w), (m, g)) in want_weights.iter().zip(&got_weights) {
+        assert_eq!(n, m);
+        let d = (w - g)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(d < 1e-6, "{n}: {d}");
+    }
+
+    let other = tempfile::tempdir().unwrap();
+    a.output_dir = other.path().to_path_buf();
+    let err = match Trainer::new(a, build, dataset(64, 0), None) {
+        Ok(_) => panic!("a model without set_fsdp must be refused under FSDP"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("set_fsdp"), "{err}");
+}

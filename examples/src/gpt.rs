@@ -218,6 +218,20 @@ impl Gpt {
     /// the auto-wrap policy made it one (transformer-based wrap of `h.*`),
     /// else from the root unit too.
     pub fn loss_fsdp(&self, fsdp: &FsdpModel, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let (x, wte) = self.hidden_fsdp(fsdp, idx)?;
+        self.head_loss(&x, &wte, targets)
+    }
+
+    /// [`Gpt::forward`] for a model built by `Accelerator::prepare_fsdp_model`.
+    pub fn forward_fsdp(&self, fsdp: &FsdpModel, idx: &Tensor) -> Result<Tensor> {
+        let (b, t) = idx.dims2()?;
+        let (x, wte) = self.hidden_fsdp(fsdp, idx)?;
+        dense(&x, &wte, None, Activation::None, self.fused)?.reshape((b, t, self.cfg.vocab_size))
+    }
+
+    /// The final hidden states `[B * T, d]` and the (tied) token embedding,
+    /// with parameters reached through `fsdp`.
+    fn hidden_fsdp(&self, fsdp: &FsdpModel, idx: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t) = idx.dims2()?;
         let (cfg, d) = (self.cfg, self.cfg.n_embd);
         let root = fsdp.root()?;
@@ -238,8 +252,7 @@ impl Gpt {
                 self.block_forward(&blk, &x, b, t)?
             };
         }
-        let x = self.ln(&x, &ln_f)?;
-        self.head_loss(&x, &wte, targets)
+        Ok((self.ln(&x, &ln_f)?, wte))
     }
 
     /// Tied lm_head and mean cross entropy of the final hidden states.

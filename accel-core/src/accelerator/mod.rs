@@ -295,9 +295,9 @@ impl Accelerator {
     /// exists in one process. The model `build` returns holds zero-memory
     /// placeholders: its forward must read parameters through the returned
     /// [`FsdpModel`] (see [`crate::fsdp`]).
-    pub fn prepare_fsdp_model<M>(
+    pub fn prepare_fsdp_model<M, E: Into<Error>>(
         &mut self,
-        build: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<M>,
+        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, FsdpModel)> {
         let plugin = self.config.fsdp.clone().unwrap_or_default();
         let (world, rank) = match plugin.sharding_strategy {
@@ -322,7 +322,7 @@ impl Accelerator {
             self.compute_dtype(),
             self.device().clone(),
         );
-        let user_model = build(vb)?;
+        let user_model = build(vb).map_err(Into::into)?;
         let pieces = std::mem::take(&mut *drawn.lock().unwrap_or_else(|e| e.into_inner()));
         let model = FsdpModel::new(
             pieces,

@@ -35,7 +35,7 @@
 //!     for i in 0..4 {
 //!         candle_nn::linear(64, 64, vb.pp(format!("layers.{i}")))?;
 //!     }
-//!     Ok(())
+//!     Ok::<(), candle_core::Error>(())
 //! })?;
 //! let x = candle_core::Tensor::ones((8, 64), candle_core::DType::F32, acc.device())?;
 //! let mut h = x;

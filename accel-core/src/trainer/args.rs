@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use accel_dist::ddp::{CommHook, DdpConfig};
 
+use super::options::{FsdpConfig, TrainerAcceleratorConfig};
 use crate::accelerator::{AcceleratorConfig, ProjectConfiguration};
 use crate::precision::PrecisionType;
 use crate::scheduler::Schedule;
@@ -156,6 +157,16 @@ pub struct TrainingArguments {
     /// DDP gradient compression on the wire (`none`, `fp16`, `bf16`).
     #[serde(default)]
     pub ddp_comm_hook: CommHook,
+    /// Fully sharded data parallel, as transformers' words:
+    /// `"full_shard auto_wrap"`, `"shard_grad_op"`, `"offload"`, ... (empty: off).
+    #[serde(default)]
+    pub fsdp: String,
+    /// Settings of `fsdp` (auto-wrap patterns or size, checkpointing, state dict type).
+    #[serde(default)]
+    pub fsdp_config: FsdpConfig,
+    /// How the Accelerator splits data between processes.
+    #[serde(default)]
+    pub accelerator_config: TrainerAcceleratorConfig,
 }
 
 impl Default for TrainingArguments {
@@ -194,6 +205,9 @@ impl Default for TrainingArguments {
             use_cpu: false,
             ddp_bucket_cap_mb: None,
             ddp_comm_hook: CommHook::None,
+            fsdp: String::new(),
+            fsdp_config: FsdpConfig::default(),
+            accelerator_config: TrainerAcceleratorConfig::default(),
         }
     }
 }
@@ -386,6 +400,8 @@ impl TrainingArguments {
             .with_log_with(self.trackers())
             .with_ddp(self.ddp_config());
         config.step_scheduler_with_optimizer = false;
+        config = self.accelerator_config.apply(config)?;
+        config.fsdp = super::options::fsdp_plugin(&self.fsdp, &self.fsdp_config)?;
         if self.use_cpu {
             config = config.with_device(candle_core::Device::Cpu);
         }

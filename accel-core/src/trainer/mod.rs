@@ -28,11 +28,13 @@
 
 mod args;
 mod batch_size;
+mod options;
 mod state;
 mod train_loop;
 
 pub use args::{IntervalStrategy, SchedulerType, TrainingArguments};
 pub use batch_size::{find_executable_batch_size, is_out_of_memory, reduce_batch_size};
+pub use options::{fsdp_plugin, FsdpConfig, GradientAccumulationKwargs, TrainerAcceleratorConfig};
 pub use state::TrainerState;
 
 use std::collections::BTreeMap;
@@ -43,6 +45,7 @@ use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
 use crate::data::{DataLoader, DataLoaderConfig, Dataset};
+use crate::fsdp::FsdpModel;
 use crate::optim::{transformers_no_decay, AdamW, AdamWConfig, PreparedOptimizer};
 use crate::scheduler::{LrScheduler, PreparedScheduler};
 use crate::{Accelerator, PreparedModel, Result};
@@ -73,6 +76,16 @@ pub trait TrainModel {
     /// [`ComputeMetrics`]; `None` (the default) skips metrics.
     fn predictions(&self, _batch: &Self::Batch) -> Result<Option<Predictions>> {
         Ok(None)
+    }
+
+    /// Receives the sharded parameters when the run uses FSDP (`fsdp` in
+    /// the arguments): the model then holds placeholders and must compute
+    /// its loss through `fsdp` (see [`crate::fsdp`]). The default refuses.
+    fn set_fsdp(&mut self, fsdp: FsdpModel) -> Result<()> {
+        let _ = fsdp;
+        Err(crate::Error::Usage(
+            "this TrainModel cannot run under FSDP: implement TrainModel::set_fsdp and compute the loss through the FsdpModel".into(),
+        ))
     }
 }
 
@@ -149,9 +162,16 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
         eval_dataset: Option<D>,
     ) -> Result<Self> {
         args.validate()?;
-        let varmap = VarMap::new();
-        let model = build(acc.var_builder(&varmap))?;
-        let params = acc.prepare_model(&varmap)?;
+        let (model, params) = if acc.config().fsdp.is_some() {
+            let (mut model, fsdp) = acc.prepare_fsdp_model(build)?;
+            let params = fsdp.params().clone();
+            model.set_fsdp(fsdp)?;
+            (model, params)
+        } else {
+            let varmap = VarMap::new();
+            let model = build(acc.var_builder(&varmap))?;
+            (model, acc.prepare_model(&varmap)?)
+        };
         let opt = acc.prepare_optimizer(
             &params,
             AdamW::new(AdamWConfig {
