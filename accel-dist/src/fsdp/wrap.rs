@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 /// Rust models have no module classes to match, so the transformer-based
 /// policy matches module *names* instead: `h.*` wraps `h.0`, `h.1`, ...
 /// (a `*` stands for one dotted segment).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AutoWrapPolicy {
     /// `TRANSFORMER_BASED_WRAP`: every module whose name matches one of the
@@ -26,13 +26,8 @@ pub enum AutoWrapPolicy {
         min_num_params: usize,
     },
     /// `NO_WRAP`: the whole model is one unit.
+    #[default]
     NoWrap,
-}
-
-impl Default for AutoWrapPolicy {
-    fn default() -> Self {
-        Self::NoWrap
-    }
 }
 
 /// Groups parameters (`names[i]`, `numels[i]`) into units: the root unit
