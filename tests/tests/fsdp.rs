@@ -310,3 +310,15 @@ fn a_full_state_dict_resumes_at_another_world_size_and_a_sharded_one_says_how_to
     let err = launch(&sharded, 3, &with(&args, &["--steps", "2", "--resume"])).unwrap_err();
     assert!(err.contains("failed"), "{err}");
 }
+
+#[test]
+fn fp16_fsdp_skips_and_scales_like_ddp() {
+    // Each rank unscales only its pieces; the overflow check and the gradient
+    // norm for clipping are combined across ranks, so the steps match DDP's.
+    let tmp = tempfile::tempdir().unwrap();
+    let fp16 = ["--mixed-precision", "fp16"];
+    let ddp = train(&tmp.path().join("ddp"), 2, &fp16);
+    let sharded = train(&tmp.path().join("fsdp"), 2, &with(&SHARD, &fp16));
+    let w = worst(&ddp, &sharded);
+    assert!(w < 1e-4, "largest weight difference {w}");
+}

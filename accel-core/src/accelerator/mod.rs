@@ -7,6 +7,7 @@
 mod checkpointing;
 mod config;
 mod ops;
+mod sharded;
 
 pub use config::{AcceleratorConfig, ProjectConfiguration};
 
@@ -20,7 +21,7 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::accumulation::GradientState;
 use crate::checkpoint::Checkpointable;
 use crate::data::{DataLoader, Dataset, LoaderPosition};
-use crate::fsdp::{FsdpModel, FullyShardedDataParallelPlugin, ShardedInit};
+use crate::fsdp::{FsdpModel, FullyShardedDataParallelPlugin};
 use crate::init::{MasterMap, SeededBackend};
 use crate::model::PreparedModel;
 use crate::optim::{Optimizer, PreparedOptimizer};
@@ -283,60 +284,6 @@ impl Accelerator {
         self.buckets.push(GradBuckets::new(&model.numels(), cap));
         self.models.push(model.clone());
         Ok(model)
-    }
-
-    /// Builds a model with its parameters sharded across the ranks (FSDP /
-    /// ZeRO, as the `fsdp` plugin of the configuration says; FULL_SHARD
-    /// with no auto-wrap when none is set).
-    ///
-    /// `build` creates the model from a `VarBuilder` as usual; each
-    /// parameter is drawn (seeded, the same values as [`Accelerator::var_builder`]
-    /// gives) and only this rank's piece is kept, so the full model never
-    /// exists in one process. The model `build` returns holds zero-memory
-    /// placeholders: its forward must read parameters through the returned
-    /// [`FsdpModel`] (see [`crate::fsdp`]).
-    pub fn prepare_fsdp_model<M, E: Into<Error>>(
-        &mut self,
-        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
-    ) -> Result<(M, FsdpModel)> {
-        let plugin = self.config.fsdp.clone().unwrap_or_default();
-        let (world, rank) = match plugin.sharding_strategy {
-            accel_dist::fsdp::ShardingStrategy::NoShard => (1, 0),
-            _ => (self.num_processes(), self.process_index()),
-        };
-        let master_device = if plugin.cpu_offload {
-            Device::Cpu
-        } else {
-            self.device().clone()
-        };
-        let drawn = Arc::new(Mutex::new(vec![]));
-        let backend = ShardedInit {
-            seed: self.seed,
-            world,
-            rank,
-            master_device: master_device.clone(),
-            drawn: drawn.clone(),
-        };
-        let vb = VarBuilder::from_backend(
-            Box::new(backend),
-            self.compute_dtype(),
-            self.device().clone(),
-        );
-        let user_model = build(vb).map_err(Into::into)?;
-        let pieces = std::mem::take(&mut *drawn.lock().unwrap_or_else(|e| e.into_inner()));
-        let model = FsdpModel::new(
-            pieces,
-            &plugin,
-            self.comm.clone(),
-            self.compute_dtype(),
-            self.device().clone(),
-            master_device,
-        )?;
-        let params = model.params().clone();
-        self.buckets.push(GradBuckets::new(&params.numels(), 0));
-        self.models.push(params);
-        self.fsdp_models.push(model.clone());
-        Ok((user_model, model))
     }
 
     /// Wraps `optimizer` over `model`'s master weights.

@@ -1,0 +1,67 @@
+//! `prepare_fsdp_model`: building a model straight into sharded parameters.
+
+use std::sync::{Arc, Mutex};
+
+use accel_dist::ddp::GradBuckets;
+use candle_core::Device;
+use candle_nn::VarBuilder;
+
+use super::Accelerator;
+use crate::fsdp::{FsdpModel, ShardedInit};
+use crate::{Error, Result};
+
+impl Accelerator {
+    /// Builds a model with its parameters sharded across the ranks (FSDP /
+    /// ZeRO, as the `fsdp` plugin of the configuration says; FULL_SHARD
+    /// with no auto-wrap when none is set).
+    ///
+    /// `build` creates the model from a `VarBuilder` as usual; each
+    /// parameter is drawn (seeded, the same values as [`Accelerator::var_builder`]
+    /// gives) and only this rank's piece is kept, so the full model never
+    /// exists in one process. The model `build` returns holds zero-memory
+    /// placeholders: its forward must read parameters through the returned
+    /// [`FsdpModel`] (see [`crate::fsdp`]).
+    pub fn prepare_fsdp_model<M, E: Into<Error>>(
+        &mut self,
+        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
+    ) -> Result<(M, FsdpModel)> {
+        let plugin = self.config.fsdp.clone().unwrap_or_default();
+        let (world, rank) = match plugin.sharding_strategy {
+            accel_dist::fsdp::ShardingStrategy::NoShard => (1, 0),
+            _ => (self.num_processes(), self.process_index()),
+        };
+        let master_device = if plugin.cpu_offload {
+            Device::Cpu
+        } else {
+            self.device().clone()
+        };
+        let drawn = Arc::new(Mutex::new(vec![]));
+        let backend = ShardedInit {
+            seed: self.seed,
+            world,
+            rank,
+            master_device: master_device.clone(),
+            drawn: drawn.clone(),
+        };
+        let vb = VarBuilder::from_backend(
+            Box::new(backend),
+            self.compute_dtype(),
+            self.device().clone(),
+        );
+        let user_model = build(vb).map_err(Into::into)?;
+        let pieces = std::mem::take(&mut *drawn.lock().unwrap_or_else(|e| e.into_inner()));
+        let model = FsdpModel::new(
+            pieces,
+            &plugin,
+            self.comm.clone(),
+            self.compute_dtype(),
+            self.device().clone(),
+            master_device,
+        )?;
+        let params = model.params().clone();
+        self.buckets.push(GradBuckets::new(&params.numels(), 0));
+        self.models.push(params);
+        self.fsdp_models.push(model.clone());
+        Ok((user_model, model))
+    }
+}
