@@ -322,3 +322,37 @@ fn fp16_fsdp_skips_and_scales_like_ddp() {
     let w = worst(&ddp, &sharded);
     assert!(w < 1e-4, "largest weight difference {w}");
 }
+
+#[test]
+fn pretrained_weights_stream_into_the_shards_from_rank_0_and_a_bad_file_fails_every_rank() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A trained model to start from, as `model.safetensors`.
+    let donor = launch(&tmp.path().join("donor"), 1, &["--steps", "2", "--save"]).unwrap();
+    let ckpt = tmp.path().join("donor/checkpoints/checkpoint_0");
+    let model = ckpt.join("model.safetensors");
+    let init = ["--init-from", model.to_str().unwrap()];
+    let loaded = launch(
+        &tmp.path().join("loaded"),
+        2,
+        &with(&with(&SHARD, &init), &["--steps", "0"]),
+    )
+    .unwrap();
+    assert_eq!(loaded["weights"], donor["weights"]);
+
+    // A tensor of the wrong shape: named, and no rank hangs.
+    let mut tensors = accel_core::checkpoint::read_safetensors(&model, &Device::Cpu).unwrap();
+    tensors.insert(
+        "ln_f.bias".into(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+    );
+    let bad = tmp.path().join("bad.safetensors");
+    accel_core::checkpoint::write_safetensors(&bad, &tensors, None).unwrap();
+    let init = ["--init-from", bad.to_str().unwrap()];
+    let err = launch(
+        &tmp.path().join("bad"),
+        2,
+        &with(&with(&SHARD, &init), &["--steps", "0"]),
+    )
+    .unwrap_err();
+    assert!(err.contains("failed"), "{err}");
+}

@@ -124,6 +124,19 @@ impl FsdpModel {
         self.sharding.persistent_bytes()
     }
 
+    /// Loads pretrained full weights into the shards: `checkpoint` is a
+    /// `.safetensors` file, a folder with `model.safetensors` or a sharded
+    /// `model.safetensors.index.json`. Tensors stream one at a time; with
+    /// `cpu_ram_efficient_loading` (the default) only rank 0 reads the files
+    /// and the others receive each tensor from it. Every rank must call it.
+    ///
+    /// # Errors
+    /// A missing tensor or a shape mismatch (named, with the file) on any
+    /// reading rank fails every rank, before any weight changes.
+    pub fn load_checkpoint(&self, checkpoint: impl AsRef<std::path::Path>) -> Result<()> {
+        super::state_dict::load_full_into_pieces(&self.params, &self.sharding, checkpoint.as_ref())
+    }
+
     /// Names of the wrapped units, as the auto-wrap policy formed them
     /// (the root unit, `""`, is not listed).
     pub fn unit_names(&self) -> Vec<String> {

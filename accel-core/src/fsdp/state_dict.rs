@@ -160,79 +160,108 @@ pub(crate) fn restore_sharded(
     i: usize,
     full: &Path,
 ) -> Result<()> {
-    let folder = sharded_model_dir(dir, i);
-    let rank = s.comm.rank();
+    if !check_sharded_world(s, dir, i)? {
+        return load_full_into_pieces(model, s, full);
+    }
+    let path = sharded_model_dir(dir, i).join(format!("rank_{}.safetensors", s.comm.rank()));
     let vars = model.named_masters();
-    let tensors: BTreeMap<String, Tensor> = if check_sharded_world(s, dir, i)? {
-        let path = folder.join(format!("rank_{rank}.safetensors"));
-        let specs: Vec<_> = vars
-            .iter()
-            .map(|(n, v)| checkpoint::TensorSpec::of(n, v.as_tensor()))
-            .collect();
-        checkpoint::load_into(&path, &specs, true, &s.master_device)?
-    } else {
-        let full_tensors = read_full(s, full, &vars)?;
-        let mut pieces = BTreeMap::new();
-        for (id, (name, _)) in vars.iter().enumerate() {
-            let t = full_tensors.get(name).ok_or_else(|| Error::KeyMismatch {
-                path: full.to_path_buf(),
-                missing: vec![name.clone()],
-                unexpected: vec![],
-            })?;
-            let what = format!("{}: tensor `{name}`", full.display());
-            pieces.insert(name.clone(), s.piece_of(id, t, &what)?);
-        }
-        pieces
-    };
+    let specs: Vec<_> = vars
+        .iter()
+        .map(|(n, v)| checkpoint::TensorSpec::of(n, v.as_tensor()))
+        .collect();
+    let tensors = checkpoint::load_into(&path, &specs, true, &s.master_device)?;
     // Everything was read and checked before any weight changes.
     for (name, var) in &vars {
-        var.set(
-            &tensors[name]
-                .to_dtype(DType::F32)?
-                .to_device(var.device())?,
-        )?;
+        var.set(&tensors[name].to_device(var.device())?)?;
     }
     model.refresh_model_weights()
 }
 
-/// The full tensors of `file`, read by every rank, or by rank 0 only and
-/// broadcast (`cpu_ram_efficient_loading`).
-fn read_full(
+/// Sets `model`'s pieces from the full tensors of `checkpoint` (a
+/// `.safetensors` file, a folder, or a sharded `*.index.json`), one tensor at
+/// a time so no rank ever holds the whole model. With rank-0 loading
+/// (`cpu_ram_efficient_loading`) only rank 0 opens the checkpoint and
+/// broadcasts each tensor. Names and shapes are all checked (by the reading
+/// ranks, from the headers) before any weight changes; every rank gets the error.
+pub(crate) fn load_full_into_pieces(
+    model: &PreparedModel,
     s: &Sharding,
-    file: &Path,
-    vars: &[(String, candle_core::Var)],
-) -> Result<BTreeMap<String, Tensor>> {
-    if !s.rank0_loading || s.comm.world_size() == 1 {
-        return checkpoint::read_safetensors(file, &Device::Cpu);
-    }
+    checkpoint: &Path,
+) -> Result<()> {
     let comm = &*s.comm;
-    let mut loaded = BTreeMap::new();
-    let mut outcome = vec![String::new()];
-    if comm.rank() == 0 {
-        match checkpoint::read_safetensors(file, &Device::Cpu) {
-            Ok(t) => loaded = t,
-            Err(e) => outcome[0] = e.to_string(),
-        }
-    }
-    // The others learn rank 0's outcome before waiting for tensors.
-    comm.broadcast_object_list(&mut outcome, 0)?;
-    if !outcome[0].is_empty() {
+    let vars = model.named_masters();
+    let shape_of = |id: usize| {
+        let (u, k) = s.slot_of[id];
+        s.units[u].layout.slots()[k].shape.clone()
+    };
+    let reads = !s.rank0_loading || comm.rank() == 0 || comm.world_size() == 1;
+    let source = if reads {
+        let checked = accel_bigmodel::CheckpointSource::open(checkpoint)
+            .map_err(Error::from)
+            .and_then(|src| {
+                for (id, (name, _)) in vars.iter().enumerate() {
+                    let want = shape_of(id);
+                    match src.locate(name) {
+                        None => {
+                            return Err(Error::KeyMismatch {
+                                path: checkpoint.to_path_buf(),
+                                missing: vec![name.clone()],
+                                unexpected: vec![],
+                            })
+                        }
+                        Some(loc) if loc.shape() != want.dims() => {
+                            return Err(Error::ShapeMismatch {
+                                path: checkpoint.to_path_buf(),
+                                tensor: name.clone(),
+                                expected: want.dims().to_vec(),
+                                got: loc.shape().to_vec(),
+                            })
+                        }
+                        Some(_) => {}
+                    }
+                }
+                Ok(src)
+            });
+        Some(checked)
+    } else {
+        None
+    };
+    // Every rank learns every reader's verdict before anything moves.
+    let verdict = match &source {
+        Some(Err(e)) => e.to_string(),
+        _ => String::new(),
+    };
+    let verdicts = if comm.world_size() > 1 {
+        comm.gather_object(&verdict)?
+    } else {
+        vec![verdict]
+    };
+    if let Some((rank, reason)) = verdicts.iter().enumerate().find(|(_, v)| !v.is_empty()) {
         return Err(Error::Config {
-            key: file.display().to_string(),
-            reason: format!("rank 0 could not read it: {}", outcome[0]),
+            key: checkpoint.display().to_string(),
+            reason: format!("rank {rank} could not load it: {reason}"),
         });
     }
-    let mut out = BTreeMap::new();
+    let source = source.map(|s| s.expect("verdict checked"));
+    let broadcast = s.rank0_loading && comm.world_size() > 1;
+    let mut staged = Vec::with_capacity(vars.len());
     for (id, (name, _)) in vars.iter().enumerate() {
-        let (u, k) = s.slot_of[id];
-        let shape = s.units[u].layout.slots()[k].shape.clone();
-        let t = match loaded.remove(name) {
-            Some(t) if t.shape() == &shape => t.to_dtype(DType::F32)?,
-            _ => Tensor::zeros(&shape, DType::F32, &Device::Cpu)?,
+        let full = match &source {
+            Some(src) => src.tensor(name, &Device::Cpu, Some(DType::F32))?,
+            None => Tensor::zeros(shape_of(id), DType::F32, &Device::Cpu)?,
         };
-        out.insert(name.clone(), comm.broadcast_tensor(&t.contiguous()?, 0)?);
+        let full = if broadcast {
+            comm.broadcast_tensor(&full.contiguous()?, 0)?
+        } else {
+            full
+        };
+        let what = format!("{}: tensor `{name}`", checkpoint.display());
+        staged.push(s.piece_of(id, &full, &what)?);
     }
-    Ok(out)
+    for ((_, var), piece) in vars.iter().zip(staged) {
+        var.set(&piece.to_device(var.device())?)?;
+    }
+    model.refresh_model_weights()
 }
 
 /// Merges the sharded model state in `folder` (a `model_fsdp_{i}` folder,

@@ -49,6 +49,9 @@ struct Args {
     /// With --fsdp: write sharded checkpoints instead of full ones.
     #[arg(long)]
     sharded_state_dict: bool,
+    /// With --fsdp: load these full weights into the shards first.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
     /// Write the result JSON here (main process only) instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -81,6 +84,9 @@ fn main() -> Result<()> {
         accel_tests::cosine()
     };
     let mut job = TinyJob::new(&mut acc, 600, args.batch_size, schedule)?;
+    if let (Some(path), Some(fsdp)) = (&args.init_from, &job.fsdp) {
+        fsdp.load_checkpoint(path)?;
+    }
     let mut done = 0;
     if args.resume {
         acc.load_state(None)?;
