@@ -90,30 +90,7 @@ impl PreparedModel {
     /// Adds already reduced gradient pieces of parameters `ids` to the accumulators.
     pub(crate) fn accumulate_pieces(&self, ids: &[usize], pieces: &[Tensor]) -> Result<()> {
         let mut g = self.lock();
-        let (mut copy_dst, mut copy_src, mut add_dst, mut add_src) =
-            (vec![], vec![], vec![], vec![]);
-        for (&i, p) in ids.iter().zip(pieces) {
-            let acc = match &g.grads[i] {
-                Some(t) => t.clone(),
-                None => {
-                    let t = g.masters[i].as_tensor().zeros_like()?;
-                    g.grads[i] = Some(t.clone());
-                    t
-                }
-            };
-            let p = p.contiguous()?;
-            if g.has_grad[i] {
-                add_dst.push(acc);
-                add_src.push(p);
-            } else {
-                copy_dst.push(acc);
-                copy_src.push(p);
-                g.has_grad[i] = true;
-            }
-        }
-        accel_kernels::cast_into(&copy_src, &copy_dst)?;
-        accel_kernels::add_in_place(&add_dst, &add_src)?;
-        Ok(())
+        deposit(&mut g, ids.iter().copied().zip(pieces.iter().cloned()))
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, ModelInner> {
@@ -178,34 +155,10 @@ impl PreparedModel {
     /// accumulators (the first backward after `zero_grad` copies instead).
     pub(crate) fn accumulate(&self, store: &GradStore) -> Result<()> {
         let mut g = self.lock();
-        let (mut copy_dst, mut copy_src, mut add_dst, mut add_src) =
-            (vec![], vec![], vec![], vec![]);
-        for i in 0..g.names.len() {
-            let Some(grad) = store.get(g.model_vars[i].as_tensor()) else {
-                continue;
-            };
-            let acc = match &g.grads[i] {
-                Some(t) => t.clone(),
-                None => {
-                    let t = Tensor::zeros(grad.shape(), DType::F32, grad.device())?;
-                    g.grads[i] = Some(t.clone());
-                    t
-                }
-            };
-            // Gradients from candle may be strided views; the kernels need contiguous input.
-            let grad = grad.contiguous()?;
-            if g.has_grad[i] {
-                add_dst.push(acc);
-                add_src.push(grad);
-            } else {
-                copy_dst.push(acc);
-                copy_src.push(grad);
-                g.has_grad[i] = true;
-            }
-        }
-        accel_kernels::cast_into(&copy_src, &copy_dst)?;
-        accel_kernels::add_in_place(&add_dst, &add_src)?;
-        Ok(())
+        let found: Vec<(usize, Tensor)> = (0..g.names.len())
+            .filter_map(|i| Some((i, store.get(g.model_vars[i].as_tensor())?.clone())))
+            .collect();
+        deposit(&mut g, found)
     }
 
     /// Averages the gradients over all ranks (DDP). Every parameter takes
@@ -338,6 +291,35 @@ impl PreparedModel {
             .zip(g.masters.iter().cloned())
             .collect()
     }
+}
+
+/// Adds each `(id, gradient)` to the fp32 accumulator of parameter `id`
+/// (copies instead for the first gradient since `zero_grad`).
+fn deposit(g: &mut ModelInner, grads: impl IntoIterator<Item = (usize, Tensor)>) -> Result<()> {
+    let (mut copy_dst, mut copy_src, mut add_dst, mut add_src) = (vec![], vec![], vec![], vec![]);
+    for (i, grad) in grads {
+        let acc = match &g.grads[i] {
+            Some(t) => t.clone(),
+            None => {
+                let t = g.masters[i].as_tensor().zeros_like()?;
+                g.grads[i] = Some(t.clone());
+                t
+            }
+        };
+        // Gradients from candle may be strided views; the kernels need contiguous input.
+        let grad = grad.contiguous()?;
+        if g.has_grad[i] {
+            add_dst.push(acc);
+            add_src.push(grad);
+        } else {
+            copy_dst.push(acc);
+            copy_src.push(grad);
+            g.has_grad[i] = true;
+        }
+    }
+    accel_kernels::cast_into(&copy_src, &copy_dst)?;
+    accel_kernels::add_in_place(&add_dst, &add_src)?;
+    Ok(())
 }
 
 fn present_grads(g: &ModelInner) -> Vec<Tensor> {

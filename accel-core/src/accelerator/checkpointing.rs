@@ -334,7 +334,9 @@ impl Accelerator {
     /// Saves `model`'s fp32 weights for inference or sharing, as
     /// `model.safetensors`, or sharded `model-0000i-of-0000N.safetensors` plus
     /// `model.safetensors.index.json` when larger than `max_shard_size`
-    /// (e.g. `"10GB"`, `"500MiB"`, as Accelerate's `save_model`).
+    /// (e.g. `"10GB"`, `"500MiB"`, as Accelerate's `save_model`). The main
+    /// process writes; every process must call it (a sharded model gathers
+    /// its full weights first).
     pub fn save_model(
         &self,
         model: &PreparedModel,

@@ -409,7 +409,7 @@ impl TrainingArguments {
     }
 }
 
-fn config(key: &str, reason: &str) -> Error {
+pub(super) fn config(key: &str, reason: &str) -> Error {
     Error::Config {
         key: key.into(),
         reason: reason.into(),

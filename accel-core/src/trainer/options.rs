@@ -3,11 +3,12 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::args::config as config_error;
 use crate::accelerator::AcceleratorConfig;
 use crate::fsdp::{
     AutoWrapPolicy, FullyShardedDataParallelPlugin, ShardingStrategy, StateDictType,
 };
-use crate::{Error, Result};
+use crate::Result;
 
 /// transformers' `fsdp_config` (the keys that apply to candle models).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -176,13 +177,6 @@ pub fn fsdp_plugin(
         };
     }
     Ok(Some(plugin))
-}
-
-fn config_error(key: &str, reason: &str) -> Error {
-    Error::Config {
-        key: key.into(),
-        reason: reason.into(),
-    }
 }
 
 #[cfg(test)]
