@@ -157,10 +157,9 @@ fn create(
     world: usize,
     slot_bytes: usize,
 ) -> Option<(Segment, SegmentFile, Announce)> {
+    // RandomState is seeded from the OS: a nonce no other segment shares.
     let random = std::collections::hash_map::RandomState::new();
-    let mut h = random.build_hasher();
-    (std::process::id(), std::time::SystemTime::now()).hash(&mut h);
-    let nonce = h.finish();
+    let nonce = random.hash_one((std::process::id(), std::time::SystemTime::now()));
     let mut token = std::collections::hash_map::DefaultHasher::new();
     store.token().hash(&mut token);
     let path = PathBuf::from(format!(
@@ -197,4 +196,96 @@ fn get(store: &TcpStore, key: &str, peer: usize, world: usize) -> Result<Vec<u8>
         },
         e => e,
     })
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use std::net::SocketAddr;
+    use std::time::Duration;
+
+    use crate::{Communicator, ReduceOp, Result, TcpCommunicator, TcpConfig, TcpStore};
+
+    /// Runs `body` on `world` in-process ranks connected with `configs[rank]`.
+    fn world<T: Send + 'static>(
+        token: &str,
+        configs: Vec<TcpConfig>,
+        body: fn(TcpCommunicator) -> Result<T>,
+    ) -> Vec<T> {
+        let n = configs.len();
+        let host = TcpStore::host(
+            SocketAddr::from(([127, 0, 0, 1], 0)),
+            token,
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let addr = host.addr();
+        let mut configs = configs.into_iter();
+        let first = configs.next().unwrap();
+        let others: Vec<_> = configs
+            .enumerate()
+            .map(|(i, config)| {
+                let token = token.to_string();
+                std::thread::spawn(move || {
+                    let store = TcpStore::connect(addr, &token, Duration::from_secs(10))?;
+                    body(TcpCommunicator::connect_with(&store, i + 1, n, config)?)
+                })
+            })
+            .collect();
+        let mut out =
+            vec![body(TcpCommunicator::connect_with(&host, 0, n, first).unwrap()).unwrap()];
+        out.extend(others.into_iter().map(|t| t.join().unwrap().unwrap()));
+        out
+    }
+
+    fn segment_files(token: &str) -> Vec<String> {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(token, &mut h);
+        let prefix = format!("accel-dist-{:016x}-", std::hash::Hasher::finish(&h));
+        std::fs::read_dir("/dev/shm")
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                    .filter(|name| name.starts_with(&prefix))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn ranks_on_one_host_share_a_segment_whose_file_is_already_gone() {
+        if !std::path::Path::new("/dev/shm").is_dir() {
+            return;
+        }
+        let token = format!("shm-unit-{}", std::process::id());
+        let config = TcpConfig::default()
+            .with_direct_max_bytes(0)
+            .with_shm_slot_bytes(64);
+        let sums = world(&token, vec![config; 3], |comm| {
+            assert!(comm.shared_memory());
+            let r = comm.rank() as f64;
+            // 101 elements: not divisible by the world nor by the 8-element slot.
+            let mut v: Vec<f64> = (0..101).map(|i| r * 1000.0 + i as f64).collect();
+            comm.all_reduce((&mut v).into(), ReduceOp::Sum)?;
+            comm.barrier()?;
+            Ok(v)
+        });
+        let want: Vec<f64> = (0..101).map(|i| 3000.0 + 3.0 * i as f64).collect();
+        for v in sums {
+            assert_eq!(v, want);
+        }
+        assert_eq!(segment_files(&token), Vec::<String>::new());
+    }
+
+    #[test]
+    fn one_rank_without_shared_memory_keeps_every_rank_on_sockets() {
+        let token = format!("shm-off-{}", std::process::id());
+        let on = TcpConfig::default().with_direct_max_bytes(0);
+        let configs = vec![on.clone(), on.with_shared_memory(false)];
+        let got = world(&token, configs, |comm| {
+            let mut v = vec![comm.rank() as u32 + 1; 1000];
+            comm.all_reduce((&mut v).into(), ReduceOp::Max)?;
+            Ok((comm.shared_memory(), v[999]))
+        });
+        assert_eq!(got, [(false, 2), (false, 2)]);
+        assert_eq!(segment_files(&token), Vec::<String>::new());
+    }
 }

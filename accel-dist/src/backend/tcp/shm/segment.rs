@@ -77,7 +77,7 @@ impl Segment {
     /// `slot_bytes` must be a positive multiple of 64.
     pub fn create(path: &Path, world: usize, slot_bytes: usize, nonce: u64) -> io::Result<Self> {
         assert!(
-            slot_bytes > 0 && slot_bytes % 64 == 0,
+            slot_bytes > 0 && slot_bytes.is_multiple_of(64),
             "slot size {slot_bytes}"
         );
         let file = open_options().create_new(true).open(path)?;
@@ -152,7 +152,7 @@ impl Segment {
     /// The 8-byte word at byte `offset` of the mapping, as an atomic.
     fn word(&self, offset: usize) -> &AtomicU64 {
         assert!(
-            offset % 8 == 0 && offset + 8 <= self.map.len(),
+            offset.is_multiple_of(8) && offset + 8 <= self.map.len(),
             "word {offset}"
         );
         // SAFETY: the mapping is page-aligned and `offset` is a multiple of
