@@ -323,7 +323,7 @@ pub(crate) fn send_abort(link: &Link, failed: usize, detail: &str, ctl: Ctl<'_>)
 }
 
 /// A data frame header in words, e.g. `all_reduce #3 (16 bytes of f32, Sum)`.
-fn describe(h: &Header) -> String {
+pub(crate) fn describe(h: &Header) -> String {
     if h.kind != DATA {
         return format!("an unknown frame (kind {}, op {})", h.kind, h.op);
     }

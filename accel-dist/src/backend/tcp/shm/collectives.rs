@@ -60,7 +60,7 @@ impl<'a> Call<'a> {
         Self {
             mesh,
             seg,
-            waiter: Waiter::new(mesh, expect),
+            waiter: Waiter::new(mesh, expect, total_bytes),
             desc: [word, total_bytes as u64, expect.seq],
             step,
         }

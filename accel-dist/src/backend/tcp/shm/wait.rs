@@ -7,8 +7,11 @@
 //! peer process is gone (the kernel closes its sockets however it died),
 //! and an abort frame means another rank saw a failure first. Checking is a
 //! non-blocking `recv(MSG_PEEK)` per peer, so nothing is consumed unless it
-//! is an abort; a data frame is a peer already in a later socket
-//! collective, alive and waiting for us, and is left for that call.
+//! is an abort. A data frame of a later call is a peer already in a later
+//! socket collective, alive and waiting for us, and is left for that call;
+//! one of this very call means the peer took the socket path for it (a
+//! different size or dtype), which is reported as a mismatch at once
+//! rather than after the timeout.
 //!
 //! Spinning keeps the latency of small calls in microseconds when each rank
 //! has a core; yielding and then short sleeps hand the core over when ranks
@@ -21,8 +24,10 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{recv, MsgFlags};
 
-use super::super::wire::{read_header, Ctl, Fault, Header, ABORT};
-use super::super::Mesh;
+use super::super::wire::{
+    describe, describe_call, read_header, Ctl, Fault, Header, ABORT, DATA, HEADER_LEN,
+};
+use super::super::{Mesh, Op};
 
 /// Busy checks before the first yield.
 const SPINS: u32 = 256;
@@ -38,15 +43,18 @@ pub(crate) struct Waiter<'a> {
     mesh: &'a Mesh,
     /// The header of the running call, for reading an abort frame.
     expect: Header,
+    /// This rank's buffer size in the call, for mismatch messages.
+    total_bytes: usize,
     /// Peers seen sending a data frame of a later call: alive, not rechecked.
     ahead: Vec<bool>,
 }
 
 impl<'a> Waiter<'a> {
-    pub fn new(mesh: &'a Mesh, expect: Header) -> Self {
+    pub fn new(mesh: &'a Mesh, expect: Header, total_bytes: usize) -> Self {
         Self {
             mesh,
             expect,
+            total_bytes,
             ahead: vec![false; mesh.world],
         }
     }
@@ -95,16 +103,16 @@ impl<'a> Waiter<'a> {
             if self.ahead[link.peer] {
                 continue;
             }
-            let mut first = [0u8; 1];
+            let mut head = [0u8; HEADER_LEN];
             let fd = link.stream.as_raw_fd();
-            match recv(fd, &mut first, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
+            match recv(fd, &mut head, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
                 Ok(0) => {
                     return Err(Fault::Closed {
                         peer: link.peer,
                         reason: "end of stream".into(),
                     })
                 }
-                Ok(_) if first[0] == ABORT => {
+                Ok(_) if head[0] == ABORT => {
                     let ctl = Ctl {
                         timeout: self.mesh.timeout,
                         cancel: None,
@@ -116,7 +124,35 @@ impl<'a> Waiter<'a> {
                         reason: "unexpected frame".into(),
                     });
                 }
-                Ok(_) => self.ahead[link.peer] = true,
+                Ok(HEADER_LEN) => {
+                    let got = Header::decode(&head);
+                    // Point-to-point frames count per pair, not per collective.
+                    let same_call = got.kind == DATA
+                        && got.op != Op::SendRecv as u8
+                        && got.seq == self.expect.seq;
+                    if same_call {
+                        let detail = format!(
+                            "it sent {} over a socket while this rank runs {} through shared \
+                             memory; every rank must make the same calls in the same order with \
+                             the same buffer sizes",
+                            describe(&got),
+                            describe_call(
+                                self.expect.op,
+                                self.expect.dtype,
+                                self.expect.reduce,
+                                self.total_bytes as u64,
+                                self.expect.seq
+                            )
+                        );
+                        return Err(Fault::Mismatch {
+                            peer: link.peer,
+                            detail,
+                        });
+                    }
+                    self.ahead[link.peer] = true;
+                }
+                // Part of a header: look again at the next check.
+                Ok(_) => {}
                 Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
                 Err(e) => {
                     return Err(Fault::Closed {
