@@ -82,8 +82,10 @@ impl Segment {
         );
         let file = open_options().create_new(true).open(path)?;
         // A fresh file is zero-filled: every counter starts at 0.
+        let size = Self::size(world, slot_bytes);
         let mapped = file
-            .set_len(Self::size(world, slot_bytes) as u64)
+            .set_len(size as u64)
+            .and_then(|()| reserve(&file, size))
             .and_then(|()| Self::map(&file, world, slot_bytes));
         let seg = mapped.inspect_err(|_| {
             // Ours (create_new): remove it rather than leave it in /dev/shm.
@@ -231,6 +233,25 @@ impl Segment {
             )
         }
     }
+}
+
+/// Allocates the file's pages now. `/dev/shm` is often small (64 MiB in a
+/// default container) and a mapped page that cannot be allocated kills the
+/// process with `SIGBUS` when first touched; here it is an error instead,
+/// and the job falls back to sockets.
+#[cfg(target_os = "linux")]
+fn reserve(file: &File, len: usize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = len
+        .try_into()
+        .map_err(|_| io::Error::other("segment size overflows off_t"))?;
+    nix::fcntl::posix_fallocate(file.as_raw_fd(), 0, len).map_err(io::Error::from)
+}
+
+/// Elsewhere pages are allocated on first touch.
+#[cfg(not(target_os = "linux"))]
+fn reserve(_file: &File, _len: usize) -> io::Result<()> {
+    Ok(())
 }
 
 /// Read-write, and private to the user running the job.
