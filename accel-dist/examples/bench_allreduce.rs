@@ -9,6 +9,13 @@
 //! algorithm and the bus bandwidth (NCCL's definition: all-reduce moves
 //! `2 (n-1)/n` of the buffer per rank, all-gather `(n-1)/n` of the output,
 //! broadcast the whole buffer).
+//!
+//! With `--transport both` (the default) every rank connects two
+//! communicators, one over shared memory and one over sockets only, and
+//! alternates them iteration by iteration, so both are measured under the
+//! same load of a noisy machine; each result names its transport (`shm`,
+//! `unix` or `tcp`) and algorithm. Sizes up to the direct limit take the
+//! socket direct path in both.
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -46,6 +53,12 @@ struct Args {
     /// Use TCP even between ranks on this host (default: Unix domain sockets).
     #[arg(long)]
     tcp_only: bool,
+    /// Which data path to measure: shm, socket, or both side by side.
+    #[arg(long, default_value = "both", value_parser = ["both", "shm", "socket"])]
+    transport: String,
+    /// Shared-memory slot size in bytes (default: the backend's).
+    #[arg(long)]
+    shm_slot_bytes: Option<usize>,
     /// Timed iterations per size (default: from 200 for small to 5 for 256 MiB).
     #[arg(long)]
     iters: Option<usize>,
@@ -124,10 +137,33 @@ fn worker(args: &Args) -> anyhow::Result<()> {
     if let Some(d) = args.direct_max_bytes {
         tcp = tcp.with_direct_max_bytes(d);
     }
+    if let Some(b) = args.shm_slot_bytes {
+        tcp = tcp.with_shm_slot_bytes(b);
+    }
     tcp = tcp.with_unix_sockets(!args.tcp_only);
     let store = TcpStore::from_config(&cfg)?;
-    let comm = TcpCommunicator::connect_with(&store, cfg.rank, cfg.world_size, tcp)?;
-    let n = comm.world_size() as f64;
+    let mut comms = Vec::new();
+    for shm in [true, false] {
+        let wanted = match args.transport.as_str() {
+            "shm" => shm,
+            "socket" => !shm,
+            _ => true,
+        };
+        if wanted {
+            let config = tcp.clone().with_shared_memory(shm);
+            comms.push(TcpCommunicator::connect_with(
+                &store,
+                cfg.rank,
+                cfg.world_size,
+                config,
+            )?);
+        }
+    }
+    let first = &comms[0];
+    if args.transport != "socket" && !first.shared_memory() {
+        bail!("shared memory is unavailable (ACCEL_DIST_SHM=0, or /dev/shm cannot be mapped)");
+    }
+    let n = first.world_size() as f64;
     let sizes = args.sizes.clone().unwrap_or_else(|| DEFAULT_SIZES.to_vec());
     let mut results = Vec::new();
     for (op, collective) in [
@@ -145,37 +181,43 @@ fn worker(args: &Args) -> anyhow::Result<()> {
         for &bytes in &sizes {
             let elems = bytes / 4;
             let iters = args.iters.unwrap_or_else(|| iterations(elems * 4));
-            let (times, cpu) = time_op(&comm, collective, elems, iters)?;
-            let median = median(&times);
+            let timed = time_op(&comms, collective, elems, iters)?;
             let factor = match collective {
                 Collective::AllReduce => 2.0 * (n - 1.0) / n,
                 Collective::AllGather => (n - 1.0) / n,
                 _ => 1.0,
             };
-            let algo: Algorithm = comm.algorithm(collective, elems * 4);
-            results.push(serde_json::json!({
-                "op": op,
-                "bytes": elems * 4,
-                "size": human(elems * 4),
-                "algorithm": algo.name(),
-                "iters": times.len(),
-                "median_ms": round(median * 1e3),
-                "min_ms": round(times.iter().copied().fold(f64::INFINITY, f64::min) * 1e3),
-                "algbw_gbps": round((elems * 4) as f64 / median / 1e9),
-                "busbw_gbps": round((elems * 4) as f64 * factor / median / 1e9),
-                "cpu_ms_rank0": cpu.map(|c| round(c * 1e3)),
-            }));
+            for (comm, (times, cpu)) in comms.iter().zip(timed) {
+                let median = median(&times);
+                let algo: Algorithm = comm.algorithm(collective, elems * 4);
+                let transport = comm.transport_for(collective, elems * 4);
+                results.push(serde_json::json!({
+                    "op": op,
+                    "bytes": elems * 4,
+                    "size": human(elems * 4),
+                    "transport": transport.map(|t| t.name()),
+                    "algorithm": algo.name(),
+                    "iters": times.len(),
+                    "median_ms": round(median * 1e3),
+                    "min_ms": round(times.iter().copied().fold(f64::INFINITY, f64::min) * 1e3),
+                    "algbw_gbps": round((elems * 4) as f64 / median / 1e9),
+                    "busbw_gbps": round((elems * 4) as f64 * factor / median / 1e9),
+                    "cpu_ms_rank0": cpu.map(|c| round(c * 1e3)),
+                }));
+            }
         }
     }
-    if comm.rank() == 0 {
+    if first.rank() == 0 {
         let report = serde_json::json!({
             "bench": "bench_allreduce",
             "backend": "tcp",
-            "transport": comm.transport((comm.rank() + 1) % comm.world_size()).map(|t| t.name()),
-            "world_size": comm.world_size(),
+            "compared": args.transport,
+            "socket_transport": first.transport((first.rank() + 1) % first.world_size()).map(|t| t.name()),
+            "world_size": first.world_size(),
             "dtype": "f32",
-            "segment_bytes": comm.config().segment_bytes,
-            "direct_max_bytes": comm.config().direct_max_bytes,
+            "segment_bytes": first.config().segment_bytes,
+            "direct_max_bytes": first.config().direct_max_bytes,
+            "shm_slot_bytes": first.config().shm_slot_bytes,
             "results": results,
         });
         if args.json {
@@ -184,19 +226,20 @@ fn worker(args: &Args) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string_pretty(&report)?);
         }
     }
-    comm.barrier()?;
+    first.barrier()?;
     Ok(())
 }
 
-/// Times of each iteration (the slowest rank's) and this rank's CPU time
-/// per iteration (user + system, all threads), in seconds.
+/// For each communicator, the times of each iteration (the slowest
+/// rank's) and this rank's CPU time per iteration (user + system, all
+/// threads), in seconds. Communicators alternate iteration by iteration.
 fn time_op(
-    comm: &TcpCommunicator,
+    comms: &[TcpCommunicator],
     collective: Collective,
     elems: usize,
     iters: usize,
-) -> anyhow::Result<(Vec<f64>, Option<f64>)> {
-    let n = comm.world_size();
+) -> anyhow::Result<Vec<(Vec<f64>, Option<f64>)>> {
+    let n = comms[0].world_size();
     let per_rank = elems / n;
     let mut buf = vec![1.0f32; elems];
     let input = vec![1.0f32; per_rank];
@@ -208,26 +251,34 @@ fn time_op(
             _ => comm.broadcast((&mut buf).into(), 0),
         }
     };
-    for _ in 0..2 {
-        run(comm)?;
+    for comm in comms {
+        for _ in 0..2 {
+            run(comm)?;
+        }
     }
-    let mut times = Vec::with_capacity(iters);
-    let cpu_before = cpu_seconds();
+    let mut times = vec![Vec::with_capacity(iters); comms.len()];
+    let mut cpu = vec![Some(0.0); comms.len()];
     for _ in 0..iters {
-        comm.barrier()?;
-        let start = Instant::now();
-        run(comm)?;
-        times.push(start.elapsed().as_secs_f64());
+        for (c, comm) in comms.iter().enumerate() {
+            comm.barrier()?;
+            let cpu_before = cpu_seconds();
+            let start = Instant::now();
+            run(comm)?;
+            times[c].push(start.elapsed().as_secs_f64());
+            let used = cpu_seconds().zip(cpu_before).map(|(a, b)| a - b);
+            cpu[c] = cpu[c].zip(used).map(|(sum, u)| sum + u);
+        }
     }
-    let cpu = cpu_seconds()
-        .zip(cpu_before)
-        .map(|(after, before)| (after - before) / iters as f64);
-    comm.all_reduce((&mut times).into(), ReduceOp::Max)?;
-    Ok((times, cpu))
+    let mut out = Vec::new();
+    for ((comm, mut t), c) in comms.iter().zip(times).zip(cpu) {
+        comm.all_reduce((&mut t).into(), ReduceOp::Max)?;
+        out.push((t, c.map(|c| c / iters as f64)));
+    }
+    Ok(out)
 }
 
 /// CPU time of this process so far, from `/proc/self/stat` (Linux; in
-/// clock ticks of 10 ms, so only meaningful over many iterations).
+/// clock ticks of 10 ms, so only meaningful summed over many iterations).
 fn cpu_seconds() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     // Fields after the parenthesised command name; utime and stime are fields 14 and 15.

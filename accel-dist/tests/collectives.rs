@@ -138,7 +138,7 @@ impl World {
     }
 }
 
-fn assert_all_ok(outputs: &[RankOutput], transport: &str) {
+fn assert_all_ok(outputs: &[RankOutput], transport: &str, shm: bool) {
     for o in outputs {
         assert!(
             o.success,
@@ -148,6 +148,7 @@ fn assert_all_ok(outputs: &[RankOutput], transport: &str) {
         let json = o.json();
         assert_eq!(json["ok"], true, "rank {}: {json}", o.rank);
         assert_eq!(json["transport"], transport, "rank {}: {json}", o.rank);
+        assert_eq!(json["shm"], shm, "rank {}: {json}", o.rank);
         assert!(
             json["checks"].as_u64().unwrap() > 50,
             "rank {}: {json}",
@@ -156,11 +157,39 @@ fn assert_all_ok(outputs: &[RankOutput], transport: &str) {
     }
 }
 
+/// Whether ranks on one host get a shared-memory segment by default.
+const LOCAL_SHM: bool = cfg!(target_os = "linux");
+
+/// Turns shared memory off, so collectives stay on the sockets.
+const NO_SHM: (&str, &str) = ("ACCEL_DIST_SHM", "0");
+
 #[test]
 fn collectives_give_exact_results_at_world_two_and_three() {
     for world in [2, 3] {
         let outputs = spawn(world, "collectives", 20.0, &[]).wait(Duration::from_secs(60));
-        assert_all_ok(&outputs, LOCAL_TRANSPORT);
+        assert_all_ok(&outputs, LOCAL_TRANSPORT, LOCAL_SHM);
+    }
+}
+
+/// The same checks with shared memory switched off: the socket paths.
+#[test]
+fn the_socket_paths_give_the_same_results() {
+    for world in [2, 3] {
+        let outputs = spawn(world, "collectives", 20.0, &[NO_SHM]).wait(Duration::from_secs(60));
+        assert_all_ok(&outputs, LOCAL_TRANSPORT, false);
+    }
+}
+
+/// Every size, even 1 element, goes through shared memory in tiny slots,
+/// so step edge cases (empty sub-pieces, sizes not divisible by the world
+/// or the slot, a last partial step) are hit for every collective.
+#[test]
+#[cfg(target_os = "linux")]
+fn the_shared_memory_path_gives_the_same_results() {
+    for (world, slot) in [(2, "64"), (3, "1000"), (3, "4096")] {
+        let env = [("ACCEL_TCP_DIRECT_MAX", "0"), ("ACCEL_TCP_SHM_SLOT", slot)];
+        let outputs = spawn(world, "collectives", 20.0, &env).wait(Duration::from_secs(60));
+        assert_all_ok(&outputs, LOCAL_TRANSPORT, true);
     }
 }
 
@@ -169,9 +198,13 @@ fn collectives_give_exact_results_at_world_two_and_three() {
 #[test]
 fn the_ring_path_gives_the_same_results() {
     for world in [2, 3] {
-        let env = [("ACCEL_TCP_DIRECT_MAX", "0"), ("ACCEL_TCP_SEGMENT", "12")];
+        let env = [
+            ("ACCEL_TCP_DIRECT_MAX", "0"),
+            ("ACCEL_TCP_SEGMENT", "12"),
+            NO_SHM,
+        ];
         let outputs = spawn(world, "collectives", 20.0, &env).wait(Duration::from_secs(60));
-        assert_all_ok(&outputs, LOCAL_TRANSPORT);
+        assert_all_ok(&outputs, LOCAL_TRANSPORT, false);
     }
 }
 
@@ -179,18 +212,19 @@ fn the_ring_path_gives_the_same_results() {
 #[test]
 fn the_tcp_transport_gives_the_same_results() {
     for (world, env) in [
-        (2, vec![("ACCEL_TCP_UNIX", "0")]),
+        (2, vec![("ACCEL_TCP_UNIX", "0"), NO_SHM]),
         (
             3,
             vec![
                 ("ACCEL_TCP_UNIX", "0"),
+                NO_SHM,
                 ("ACCEL_TCP_DIRECT_MAX", "0"),
                 ("ACCEL_TCP_SEGMENT", "1000"),
             ],
         ),
     ] {
         let outputs = spawn(world, "collectives", 20.0, &env).wait(Duration::from_secs(60));
-        assert_all_ok(&outputs, "tcp");
+        assert_all_ok(&outputs, "tcp", false);
     }
 }
 
@@ -210,35 +244,58 @@ fn assert_survivors_blame_rank_two(outputs: &[RankOutput], max_ms: f64) {
     }
 }
 
+/// The 4 MiB all-reduce of the failure scenarios over shared memory (by
+/// default on one host) and over the sockets.
+const FAILURE_PATHS: [&[(&str, &str)]; 2] = [&[], &[NO_SHM]];
+
 #[test]
 fn survivors_name_a_rank_killed_while_they_wait() {
-    let timeout_s = 10.0;
-    let mut world = spawn(3, "killed", timeout_s, &[]);
-    assert_eq!(world.read_line(2), "READY");
-    // Ranks 0 and 1 are now inside the next all-reduce, waiting for rank 2.
-    std::thread::sleep(Duration::from_millis(100));
-    world.kill(2);
-    let outputs = world.wait(Duration::from_secs(30));
-    // A dead peer is seen at once, far below the timeout.
-    assert_survivors_blame_rank_two(&outputs, timeout_s * 1e3 / 2.0);
+    for env in FAILURE_PATHS {
+        let timeout_s = 10.0;
+        let mut world = spawn(3, "killed", timeout_s, env);
+        assert_eq!(world.read_line(2), "READY");
+        // Ranks 0 and 1 are now inside the next all-reduce, waiting for rank 2.
+        std::thread::sleep(Duration::from_millis(100));
+        world.kill(2);
+        let outputs = world.wait(Duration::from_secs(30));
+        // A dead peer is seen at once, far below the timeout.
+        assert_survivors_blame_rank_two(&outputs, timeout_s * 1e3 / 2.0);
+    }
 }
 
 #[test]
 fn survivors_name_a_rank_that_dies_mid_all_reduce() {
-    let timeout_s = 10.0;
-    // Small segments keep the victim inside a pipelined ring call when it aborts.
-    let env = [("ACCEL_TCP_SEGMENT", "65536")];
-    let outputs = spawn(3, "abort", timeout_s, &env).wait(Duration::from_secs(30));
-    assert!(!outputs[2].success, "the victim should have aborted");
-    assert_survivors_blame_rank_two(&outputs, timeout_s * 1e3 / 2.0);
+    for shm in [true, false] {
+        let timeout_s = 10.0;
+        // Small segments (slots) keep the victim inside a pipelined call when it aborts.
+        let mut env = vec![
+            ("ACCEL_TCP_SEGMENT", "65536"),
+            ("ACCEL_TCP_SHM_SLOT", "65536"),
+        ];
+        if !shm {
+            env.push(NO_SHM);
+        }
+        let outputs = spawn(3, "abort", timeout_s, &env).wait(Duration::from_secs(30));
+        assert!(!outputs[2].success, "the victim should have aborted");
+        assert_survivors_blame_rank_two(&outputs, timeout_s * 1e3 / 2.0);
+    }
 }
 
 #[test]
 fn survivors_time_out_on_a_silent_rank() {
-    let timeout_s = 1.5;
     // The direct path: each survivor waits on rank 2 itself.
-    let env = [("ACCEL_TCP_DIRECT_MAX", "16777216")];
-    let mut world = spawn(3, "stall", timeout_s, &env);
+    survivors_time_out(&[("ACCEL_TCP_DIRECT_MAX", "16777216")]);
+}
+
+/// Over shared memory a silent peer is a counter that never moves.
+#[test]
+fn survivors_time_out_on_a_silent_rank_over_shared_memory() {
+    survivors_time_out(&[]);
+}
+
+fn survivors_time_out(env: &[(&str, &str)]) {
+    let timeout_s = 1.5;
+    let mut world = spawn(3, "stall", timeout_s, env);
     assert_eq!(world.read_line(2), "READY");
     let start = Instant::now();
     while start.elapsed() < Duration::from_secs(30) {
@@ -271,17 +328,30 @@ fn survivors_time_out_on_a_silent_rank() {
 
 #[test]
 fn ranks_calling_with_different_lengths_get_an_error_not_a_hang() {
-    let outputs = spawn(2, "mismatch", 10.0, &[]).wait(Duration::from_secs(30));
-    for o in &outputs {
-        let json = o.json();
-        eprintln!("rank {}: {json}", o.rank);
-        let error = json["error"]
-            .as_str()
-            .unwrap_or_else(|| panic!("rank {} saw no error: {json}", o.rank));
-        assert!(
-            error.contains("out of step") || error.contains("failed"),
-            "rank {}: {error}",
-            o.rank
-        );
+    // The direct path; shared memory (descriptors compared per step); and
+    // rank 0 on the direct path (16 bytes) while rank 1 (20 bytes) is on
+    // shared memory, where rank 1 sees rank 0's frame and rank 0 then sees
+    // rank 1 give up.
+    for env in [
+        &[][..],
+        &[("ACCEL_TCP_DIRECT_MAX", "0")],
+        &[("ACCEL_TCP_DIRECT_MAX", "16")],
+    ] {
+        let outputs = spawn(2, "mismatch", 10.0, env).wait(Duration::from_secs(30));
+        for o in &outputs {
+            let json = o.json();
+            eprintln!("rank {}: {json}", o.rank);
+            let error = json["error"]
+                .as_str()
+                .unwrap_or_else(|| panic!("rank {} saw no error: {json}", o.rank));
+            assert!(
+                error.contains("out of step")
+                    || error.contains("failed")
+                    || (o.rank == 0 && error.contains("connection to rank 1 closed")),
+                "rank {}: {error}",
+                o.rank
+            );
+            assert!(json["elapsed_ms"].as_f64().unwrap() < 5000.0, "{json}");
+        }
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! Reads its place in the job from the torchrun variables (plus
 //! `ACCEL_TCP_DIRECT_MAX`/`ACCEL_TCP_SEGMENT` to force an algorithm and
-//! `ACCEL_TCP_UNIX=0` to force TCP between local peers), runs
+//! `ACCEL_TCP_UNIX=0` to force TCP between local peers, `ACCEL_DIST_SHM=0`
+//! to keep collectives off shared memory, `ACCEL_TCP_SHM_SLOT` to set its
+//! slot size), runs
 //! the scenario named by its argument and prints one JSON line. It checks
 //! results itself: expected values are closed-form functions of rank and
 //! index, so every rank knows what every other rank sent.
@@ -40,6 +42,9 @@ fn run(scenario: &str) -> Result<()> {
     if let Some(v) = env_usize("ACCEL_TCP_UNIX") {
         tcp = tcp.with_unix_sockets(v != 0);
     }
+    if let Some(v) = env_usize("ACCEL_TCP_SHM_SLOT") {
+        tcp = tcp.with_shm_slot_bytes(v);
+    }
     let store = TcpStore::from_config(&cfg)?;
     let comm = TcpCommunicator::connect_with(&store, cfg.rank, cfg.world_size, tcp)?;
     match scenario {
@@ -47,8 +52,9 @@ fn run(scenario: &str) -> Result<()> {
             let checks = collectives(&comm)?;
             let peer = (cfg.rank + 1) % cfg.world_size;
             let transport = comm.transport(peer).map_or("none", |t| t.name());
+            let shm = comm.shared_memory();
             println!(
-                r#"{{"rank":{},"ok":true,"checks":{checks},"transport":"{transport}"}}"#,
+                r#"{{"rank":{},"ok":true,"checks":{checks},"transport":"{transport}","shm":{shm}}}"#,
                 cfg.rank
             );
             Ok(())

@@ -16,6 +16,14 @@ pub struct TcpConfig {
     /// Whether peers on the same host connect over a Unix domain socket
     /// (Linux; others always use TCP).
     pub unix_sockets: bool,
+    /// Whether ranks that all share one host run collectives through a
+    /// shared-memory segment (Linux `/dev/shm`) instead of sockets, for
+    /// buffers above [`direct_max_bytes`](Self::direct_max_bytes). On by
+    /// default; the environment variable `ACCEL_DIST_SHM=0` also switches
+    /// it off. Falls back to sockets when any rank cannot map the segment.
+    pub shared_memory: bool,
+    /// Bytes per rank and step in the shared segment (two slots per rank).
+    pub shm_slot_bytes: usize,
 }
 
 impl Default for TcpConfig {
@@ -25,6 +33,8 @@ impl Default for TcpConfig {
             direct_max_bytes: 128 * 1024,
             segment_bytes: 256 * 1024,
             unix_sockets: true,
+            shared_memory: true,
+            shm_slot_bytes: 256 * 1024,
         }
     }
 }
@@ -45,6 +55,18 @@ impl TcpConfig {
     /// Chooses whether same-host peers may use Unix domain sockets.
     pub fn with_unix_sockets(mut self, on: bool) -> Self {
         self.unix_sockets = on;
+        self
+    }
+
+    /// Chooses whether same-host ranks may use shared memory (see [`shared_memory`](Self::shared_memory)).
+    pub fn with_shared_memory(mut self, on: bool) -> Self {
+        self.shared_memory = on;
+        self
+    }
+
+    /// Sets the shared-memory slot size (rounded up to a multiple of 64 bytes).
+    pub fn with_shm_slot_bytes(mut self, bytes: usize) -> Self {
+        self.shm_slot_bytes = bytes.max(1);
         self
     }
 
@@ -77,6 +99,8 @@ pub enum Algorithm {
     Ring,
     /// Pipelined chain from the root (broadcast).
     Chain,
+    /// Steps through a segment of shared memory (all ranks on one host).
+    SharedMemory,
     /// A world of one: nothing moves.
     Local,
 }
@@ -88,6 +112,7 @@ impl Algorithm {
             Algorithm::Direct => "direct",
             Algorithm::Ring => "ring",
             Algorithm::Chain => "chain",
+            Algorithm::SharedMemory => "shm",
             Algorithm::Local => "local",
         }
     }

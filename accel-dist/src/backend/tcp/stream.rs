@@ -21,6 +21,9 @@ pub enum Transport {
     Tcp,
     /// A Unix domain stream socket to a peer on the same host.
     Unix,
+    /// A shared-memory segment mapped by every rank (collectives only; see
+    /// [`TcpCommunicator::transport_for`](super::TcpCommunicator::transport_for)).
+    SharedMemory,
 }
 
 impl Transport {
@@ -29,6 +32,7 @@ impl Transport {
         match self {
             Transport::Tcp => "tcp",
             Transport::Unix => "unix",
+            Transport::SharedMemory => "shm",
         }
     }
 }
@@ -90,6 +94,13 @@ impl Stream {
             #[cfg(target_os = "linux")]
             Stream::Unix(_) => "a local unix socket".into(),
         }
+    }
+}
+
+/// The socket's descriptor, for non-blocking peeks while shared-memory collectives wait.
+impl std::os::fd::AsRawFd for Stream {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        each!(self, s => s.as_raw_fd())
     }
 }
 

@@ -323,23 +323,28 @@ pub(crate) fn send_abort(link: &Link, failed: usize, detail: &str, ctl: Ctl<'_>)
 }
 
 /// A data frame header in words, e.g. `all_reduce #3 (16 bytes of f32, Sum)`.
-fn describe(h: &Header) -> String {
-    use super::Op;
-    let op = Op::from_code(h.op).filter(|_| h.kind == DATA);
-    let Some(op) = op else {
+pub(crate) fn describe(h: &Header) -> String {
+    if h.kind != DATA {
         return format!("an unknown frame (kind {}, op {})", h.kind, h.op);
+    }
+    describe_call(h.op, h.dtype, h.reduce, h.len.into(), h.seq)
+}
+
+/// A call in words from its parts (shared with the shared-memory path).
+pub(crate) fn describe_call(op: u8, dtype: u8, reduce: u8, len: u64, seq: u64) -> String {
+    use super::Op;
+    let Some(op_) = Op::from_code(op) else {
+        return format!("an unknown call (op {op})");
     };
-    let extra = match op {
-        Op::AllReduce | Op::ReduceScatter => format!(", {}", reduce_name(h.reduce)),
-        Op::Broadcast => format!(", root {}", h.reduce),
+    let extra = match op_ {
+        Op::AllReduce | Op::ReduceScatter => format!(", {}", reduce_name(reduce)),
+        Op::Broadcast => format!(", root {reduce}"),
         Op::AllGather | Op::SendRecv => String::new(),
     };
     format!(
-        "{} #{} ({} bytes of {}{extra})",
-        op.name(),
-        h.seq,
-        h.len,
-        dtype_name(h.dtype)
+        "{} #{seq} ({len} bytes of {}{extra})",
+        op_.name(),
+        dtype_name(dtype)
     )
 }
 
