@@ -166,7 +166,7 @@ fn lists_with_odd_sizes_and_offsets_use_every_path() -> Result<()> {
     let Some(dev) = cuda("lists_with_odd_sizes_and_offsets_use_every_path") else {
         return Ok(());
     };
-    // Sizes around the vector width and the 64 Ki chunk, and views that
+    // Sizes around the vector width and the chunk lengths (4 Ki here), and views that
     // start one element in (misaligned: scalar path).
     let sizes = [0usize, 1, 3, 4, 5, 4097, 65536, 65537, 3 * 65536 + 5];
     let base = Tensor::from_vec(randn(4 * 65536, 1, 100.0), 4 * 65536, &dev)?;

@@ -9,7 +9,7 @@
 //! [`DeviceId`]) for the life of the process.
 //!
 //! Every launch covers a whole tensor list: the host cuts the tensors into
-//! chunks of [`CHUNK`] elements and uploads a table of chunk descriptors
+//! chunks (see `chunk_len`) and uploads a table of chunk descriptors
 //! (operand pointers plus length, see `common.cuh`); the blocks of one grid
 //! walk the table. Lists of mixed dtypes cost one launch per dtype.
 //!
@@ -57,9 +57,21 @@ use crate::{Error, Result};
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
 
-/// Elements per chunk of a launch table: a multiple of the vector width, so
-/// every chunk of an aligned tensor is aligned too.
-pub(crate) const CHUNK: usize = 64 * 1024;
+/// Smallest and largest chunk of a launch table, in elements. Chunk
+/// lengths are powers of two (multiples of the vector width, so every chunk
+/// of an aligned tensor is aligned too).
+pub(crate) const MIN_CHUNK: usize = 4 * 1024;
+/// See [`MIN_CHUNK`].
+pub(crate) const MAX_CHUNK: usize = 64 * 1024;
+
+/// The chunk length for a launch over `total` elements: about 2048 chunks,
+/// enough blocks to fill a large GPU several times over, while the table
+/// (40 bytes a chunk, uploaded per launch) stays small next to the data.
+pub(crate) fn chunk_len(total: usize) -> usize {
+    (total / 2048)
+        .next_power_of_two()
+        .clamp(MIN_CHUNK, MAX_CHUNK)
+}
 
 /// The helpers prepended to every source.
 const COMMON: &str = include_str!("common.cuh");

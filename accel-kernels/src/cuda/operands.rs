@@ -8,7 +8,7 @@ use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{DType, Storage, Tensor};
 use cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
 
-use super::CHUNK;
+use super::chunk_len;
 use crate::{Error, Result};
 
 /// Words per chunk in a launch table (see `common.cuh`): four operand
@@ -134,22 +134,28 @@ pub(crate) struct Column<'a> {
 }
 
 /// The chunk table for tensors `idx` (positions in the columns), `lens[i]`
-/// elements each: for every chunk of [`CHUNK`] elements, up to four operand
-/// addresses offset to the chunk, then its length. Empty tensors add no
-/// chunk.
+/// elements each: for every chunk of [`chunk_len`] elements of the group's
+/// total, up to four operand addresses offset to the chunk, then its
+/// length. Empty tensors add no chunk.
 pub(crate) fn chunk_table(idx: &[usize], lens: &[usize], cols: &[Column<'_>]) -> Vec<u64> {
+    let chunk = chunk_len(idx.iter().map(|&i| lens[i]).sum());
+    chunk_table_with(idx, lens, cols, chunk)
+}
+
+/// [`chunk_table`] with an explicit chunk length.
+fn chunk_table_with(idx: &[usize], lens: &[usize], cols: &[Column<'_>], chunk: usize) -> Vec<u64> {
     assert!(cols.len() < TABLE_WORDS, "at most four operands");
-    let chunks: usize = idx.iter().map(|&i| lens[i].div_ceil(CHUNK)).sum();
+    let chunks: usize = idx.iter().map(|&i| lens[i].div_ceil(chunk)).sum();
     let mut table = Vec::with_capacity(chunks * TABLE_WORDS);
     for &i in idx {
-        for off in (0..lens[i]).step_by(CHUNK) {
+        for off in (0..lens[i]).step_by(chunk) {
             for w in 0..TABLE_WORDS - 1 {
                 table.push(match cols.get(w) {
                     Some(c) if c.ptrs[i] != 0 => c.ptrs[i] + (off * c.elem[i]) as u64,
                     _ => 0,
                 });
             }
-            table.push((lens[i] - off).min(CHUNK) as u64);
+            table.push((lens[i] - off).min(chunk) as u64);
         }
     }
     table
@@ -175,9 +181,11 @@ pub(crate) fn by_dtype(ts: &[Tensor]) -> Vec<(DType, Vec<usize>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::{MAX_CHUNK, MIN_CHUNK};
 
     #[test]
     fn chunk_table_cuts_tensors_into_offset_chunks() {
+        const CHUNK: usize = 4096;
         let lens = [CHUNK + 3, 0, 5];
         let a = [1000, 7, 2000];
         let b = [0, 0, 3000];
@@ -191,7 +199,7 @@ mod tests {
                 elem: &[2, 2, 2],
             },
         ];
-        let t = chunk_table(&[0, 1, 2], &lens, &cols);
+        let t = chunk_table_with(&[0, 1, 2], &lens, &cols, CHUNK);
         let c = CHUNK as u64;
         assert_eq!(
             t,
@@ -213,5 +221,17 @@ mod tests {
                 5
             ]
         );
+    }
+
+    #[test]
+    fn chunks_aim_for_about_two_thousand_per_launch() {
+        assert_eq!(chunk_len(0), MIN_CHUNK);
+        assert_eq!(chunk_len(1 << 20), MIN_CHUNK);
+        assert_eq!(chunk_len(1 << 24), 8192);
+        assert_eq!(chunk_len(1 << 30), MAX_CHUNK);
+        for total in [1usize, 5000, 3 << 20, 7 << 25] {
+            let c = chunk_len(total);
+            assert!(c.is_power_of_two() && c.is_multiple_of(4), "{total}: {c}");
+        }
     }
 }
