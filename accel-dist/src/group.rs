@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 
-use crate::backend::nccl_device;
+use crate::backend::{nccl_device, NCCL_COMPILED};
 use crate::{
     Backend, Communicator, LocalCommunicator, NcclCommunicator, NcclConfig, ProcessGroupConfig,
     Result, TcpCommunicator, TcpStore,
@@ -24,25 +24,44 @@ pub struct ProcessGroup {
 }
 
 impl ProcessGroup {
-    /// Joins the job `config` describes with the backend it asks for:
-    /// [`NcclCommunicator`] on `cuda:LOCAL_RANK` for [`Backend::Nccl`] (and
-    /// for [`Backend::Auto`] in a multi-process job when NCCL is compiled in
-    /// and the device exists); otherwise a [`LocalCommunicator`] for a world
-    /// of one, or the store plus a [`TcpCommunicator`].
+    /// Joins the job `config` describes, for training on the CPU: the
+    /// backend it names, where [`Backend::Auto`] means a
+    /// [`LocalCommunicator`] for a world of one and the store plus a
+    /// [`TcpCommunicator`] otherwise. [`Backend::Nccl`] uses
+    /// `cuda:LOCAL_RANK`; see [`init_on`](Self::init_on) to let the training
+    /// device decide.
     ///
     /// # Errors
     /// Store and connection errors, naming the address or the missing rank;
     /// for NCCL, CUDA and NCCL errors, or `Error::NotCompiled` without the
     /// `nccl` feature.
     pub fn init(config: ProcessGroupConfig) -> Result<Self> {
-        let nccl = match config.backend {
-            Backend::Nccl => Some(Device::new_cuda(config.local_rank)?),
-            Backend::Auto if config.is_distributed() => nccl_device(config.local_rank),
-            _ => None,
-        };
-        if let Some(device) = nccl {
+        if config.backend == Backend::Nccl {
+            let device = nccl_device(config.local_rank)?;
             return Self::init_nccl(config, device);
         }
+        Self::init_host(config)
+    }
+
+    /// Joins the job for training on `device`: [`Backend::Auto`] picks NCCL
+    /// on `device` when it is a CUDA device and this build has the `nccl`
+    /// feature (every rank decides alike, since all train on the same kind
+    /// of device), the host backends otherwise. [`Backend::Nccl`] uses
+    /// `device` when it is a CUDA device, else `cuda:LOCAL_RANK`.
+    ///
+    /// # Errors
+    /// As [`init`](Self::init).
+    pub fn init_on(config: ProcessGroupConfig, device: &Device) -> Result<Self> {
+        match (config.backend, device.is_cuda()) {
+            (Backend::Nccl, true) => Self::init_nccl(config, device.clone()),
+            (Backend::Auto, true) if NCCL_COMPILED => Self::init_nccl(config, device.clone()),
+            (Backend::Nccl, false) => Self::init(config),
+            _ => Self::init_host(config),
+        }
+    }
+
+    /// The host backends: local for one process, TCP for more.
+    fn init_host(config: ProcessGroupConfig) -> Result<Self> {
         if !config.is_distributed() {
             return Ok(Self {
                 config,
@@ -108,6 +127,21 @@ impl ProcessGroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn asking_for_nccl_without_the_feature_names_it() {
+        if NCCL_COMPILED {
+            return;
+        }
+        let cfg = ProcessGroupConfig::default().with_backend(Backend::Nccl);
+        let err = ProcessGroup::init(cfg)
+            .err()
+            .expect("no NCCL in this build");
+        assert!(
+            matches!(err, crate::Error::NotCompiled { feature: "nccl" }),
+            "{err}"
+        );
+    }
 
     #[test]
     fn a_world_of_one_needs_no_store() -> Result<()> {

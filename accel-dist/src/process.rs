@@ -59,8 +59,8 @@ impl InitProcessGroupKwargs {
 /// The transport of a process group (PyTorch's `backend=` argument).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Backend {
-    /// NCCL for a multi-process job when this build has the `nccl` feature
-    /// and a CUDA device exists for the local rank; TCP (or the local
+    /// NCCL when the training device is a CUDA device and this build has
+    /// the `nccl` feature (`ProcessGroup::init_on`); TCP (or the local
     /// communicator for one process) otherwise.
     #[default]
     Auto,

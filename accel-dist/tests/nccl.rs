@@ -107,8 +107,11 @@ fn host_buffers_and_cpu_tensors_are_staged_through_the_device() -> Result<()> {
 }
 
 #[test]
-fn process_group_picks_nccl_when_asked() -> Result<()> {
-    let Some(_) = gpu("process_group_picks_nccl_when_asked", 0) else {
+fn process_group_picks_nccl_when_asked_or_for_cuda_training() -> Result<()> {
+    let Some(_) = gpu(
+        "process_group_picks_nccl_when_asked_or_for_cuda_training",
+        0,
+    ) else {
         return Ok(());
     };
     let group = ProcessGroup::init(ProcessGroupConfig::default().with_backend(Backend::Nccl))?;

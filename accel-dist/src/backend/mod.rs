@@ -15,5 +15,5 @@ mod nccl;
 pub mod tcp;
 
 pub use local::LocalCommunicator;
-pub(crate) use nccl::nccl_device;
+pub(crate) use nccl::{nccl_device, NCCL_COMPILED};
 pub use nccl::{NcclCommunicator, NcclConfig};

@@ -111,7 +111,10 @@ impl Communicator for NcclCommunicator {
     }
 }
 
-/// The CUDA device NCCL would use for `local_rank`; never one in this build.
-pub(crate) fn nccl_device(_local_rank: usize) -> Option<Device> {
-    None
+/// Whether this build has the NCCL backend.
+pub(crate) const NCCL_COMPILED: bool = false;
+
+/// The CUDA device NCCL would use for `local_rank`; this build has no NCCL.
+pub(crate) fn nccl_device(_local_rank: usize) -> Result<Device> {
+    Err(Error::NotCompiled { feature: "nccl" })
 }
