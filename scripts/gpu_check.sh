@@ -51,7 +51,7 @@ if [ -z "${GPU_CHECK_SKIP_BUILD:-}" ]; then
 fi
 run_step kernels-test 240 cargo test "${PKGS[@]}" --test cuda -- --include-ignored --nocapture --test-threads=1
 run_step nccl-test 180 cargo test "${PKGS[@]}" --test nccl -- --nocapture --test-threads=1
-run_step unit-tests 240 cargo test "${PKGS[@]}" --lib
+run_step unit-tests 240 cargo test "${PKGS[@]}" --lib -- --include-ignored
 BENCH_JSON="$CARGO_TARGET_DIR/device_bench.json"
 run_step device-bench 180 bash -c "'$CARGO_TARGET_DIR/release/examples/device_bench' | tee '$BENCH_JSON'"
 

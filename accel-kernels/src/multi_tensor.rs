@@ -212,6 +212,18 @@ fn reduce<R>(
     with_float_slices(&refs, op, |s| Ok(cpu_fn(s)))
 }
 
+/// Runs the CUDA kernel for CUDA tensors, the fallback for other devices.
+fn on_device<R>(
+    ts: &[Tensor],
+    cuda_fn: impl FnOnce(&[Tensor]) -> Result<R>,
+    fallback_fn: impl FnOnce(&[Tensor]) -> Result<R>,
+) -> Result<R> {
+    match ts.first() {
+        Some(t) if t.device().is_cuda() => cuda_fn(ts),
+        _ => fallback_fn(ts),
+    }
+}
+
 /// True if any element of any tensor is inf or NaN.
 pub fn has_non_finite(tensors: &[Tensor]) -> Result<bool> {
     reduce(
@@ -219,24 +231,23 @@ pub fn has_non_finite(tensors: &[Tensor]) -> Result<bool> {
         tensors,
         false,
         |s| cpu::unscale::has_non_finite(s, Plan::default()),
-        |ts| match ts.first() {
-            Some(t) if t.device().is_cuda() => cuda::has_non_finite(ts),
-            _ => fallback::has_non_finite(ts),
-        },
+        |ts| on_device(ts, cuda::has_non_finite, fallback::has_non_finite),
     )
 }
 
 /// Sum of the squares of all elements of all tensors, accumulated in f64:
 /// the square of the global L2 norm used by `clip_grad_norm`.
 ///
-/// The result does not depend on the number of threads.
+/// The result does not depend on the number of threads. On CUDA the
+/// partial sums are combined in a fixed order too, so runs repeat
+/// bitwise, but the order differs from the CPU's (last-bits differences).
 pub fn sum_of_squares(tensors: &[Tensor]) -> Result<f64> {
     reduce(
         "sum_of_squares",
         tensors,
         0.0,
         |s| cpu::norm::sum_of_squares(s, Plan::default()),
-        fallback::sum_of_squares,
+        |ts| on_device(ts, cuda::sum_of_squares, fallback::sum_of_squares),
     )
 }
 
@@ -248,7 +259,7 @@ pub fn max_abs(tensors: &[Tensor]) -> Result<f64> {
         tensors,
         0.0,
         |s| cpu::norm::max_abs(s, Plan::default()),
-        fallback::max_abs,
+        |ts| on_device(ts, cuda::max_abs, fallback::max_abs),
     )
 }
 

@@ -4,8 +4,8 @@
 //! `cuda` feature or the machine no CUDA device.
 
 use accel_kernels::{
-    adamw_step, add_in_place, cast_into, cast_tensors, clamp_in_place, has_non_finite,
-    scale_in_place, sgd_step, unscale_and_check, AdamWParams, Result, SgdParams,
+    adamw_step, add_in_place, cast_into, cast_tensors, clamp_in_place, has_non_finite, max_abs,
+    scale_in_place, sgd_step, sum_of_squares, unscale_and_check, AdamWParams, Result, SgdParams,
 };
 use candle_core::{DType, Device, Tensor};
 use half::{bf16, f16};
@@ -330,6 +330,27 @@ fn optimizer_steps_match_the_cpu_path_bit_for_bit() -> Result<()> {
     sgd_step(&pc, &gc, None, 1, &SgdParams::default())?;
     assert_lists_eq("sgd params", &p, &pc)?;
     assert_lists_eq("sgd momentum", &bufs, &bufs_c)?;
+    Ok(())
+}
+
+#[test]
+fn reductions_match_the_cpu_path() -> Result<()> {
+    let Some(dev) = cuda("reductions_match_the_cpu_path") else {
+        return Ok(());
+    };
+    let gpu = mixed_list(&dev, 300_007, 31)?;
+    let cpu = to_cpu(&gpu)?;
+    let (g, c) = (sum_of_squares(&gpu)?, sum_of_squares(&cpu)?);
+    assert!((g - c).abs() <= 1e-12 * c, "sum_of_squares {g} vs {c}");
+    assert_eq!(
+        sum_of_squares(&gpu)?.to_bits(),
+        g.to_bits(),
+        "not reproducible"
+    );
+    assert_eq!(max_abs(&gpu)?, max_abs(&cpu)?);
+    assert_eq!(sum_of_squares(&gpu[..0])?, 0.0);
+    let nan = Tensor::new(&[1f32, f32::NAN, 3.0], &dev)?.to_dtype(DType::BF16)?;
+    assert!(max_abs(&[gpu[0].clone(), nan])?.is_nan());
     Ok(())
 }
 

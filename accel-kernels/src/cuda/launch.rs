@@ -71,10 +71,12 @@ pub(crate) enum Args<'a> {
     AdamW(AdamWArgs),
     /// `sgd_*`.
     Sgd(SgdArgs),
+    /// `sumsq_*`, `maxabs_*`: one f64 result per chunk.
+    Partials(&'a mut CudaSlice<f64>),
 }
 
 /// The one argument shape `id` was written for.
-fn matches(id: KernelId, args: &Args<'_>) -> bool {
+fn matches(id: KernelId, args: &Args<'_>, table_len: usize) -> bool {
     let name = id.name();
     match args {
         Args::None => name.starts_with("cast_") || name.starts_with("add_"),
@@ -84,6 +86,10 @@ fn matches(id: KernelId, args: &Args<'_>) -> bool {
         Args::Range(..) => name.starts_with("clamp_"),
         Args::AdamW(_) => name.starts_with("adamw_"),
         Args::Sgd(_) => name.starts_with("sgd_"),
+        Args::Partials(p) => {
+            (name.starts_with("sumsq_") || name.starts_with("maxabs_"))
+                && p.len() * TABLE_WORDS == table_len
+        }
     }
 }
 
@@ -102,7 +108,7 @@ pub(crate) fn launch(
     table: &[u64],
     args: Args<'_>,
 ) -> Result<()> {
-    if !matches(id, &args) || !table.len().is_multiple_of(TABLE_WORDS) {
+    if !matches(id, &args, table.len()) || !table.len().is_multiple_of(TABLE_WORDS) {
         return Err(Error::InvalidArgument {
             op,
             reason: format!("internal: bad arguments for kernel {}", id.name()),
@@ -129,6 +135,7 @@ pub(crate) fn launch(
     let (mut factor, mut lo, mut hi) = (0f32, 0f32, 0f32);
     let (mut adamw, mut sgd) = (None, None);
     let mut flag = None;
+    let mut partials = None;
     match args {
         Args::None => {}
         Args::FactorFlag(f, fl) => (factor, flag) = (f, Some(fl)),
@@ -137,6 +144,7 @@ pub(crate) fn launch(
         Args::Range(l, h) => (lo, hi) = (l, h),
         Args::AdamW(a) => adamw = Some(a),
         Args::Sgd(s) => sgd = Some(s),
+        Args::Partials(p) => partials = Some(p),
     }
     let name = id.name();
     let mut b = stream.launch_builder(&func);
@@ -156,10 +164,14 @@ pub(crate) fn launch(
     if let Some(fl) = flag {
         b.arg(fl);
     }
+    if let Some(p) = partials {
+        b.arg(p);
+    }
     // SAFETY: `matches` checked that the pushed arguments are exactly the
     // kernel's parameters after `(const u64 *table, u32 n_chunks)`, with
     // the same C types (f32 = float, u32 = u32, the `#[repr(C)]` structs;
-    // the flag is a device u32). `table` is a device copy of whole chunk
+    // the flag is a device u32, the partials a device f64 array with one
+    // slot per chunk, checked by `matches`). `table` is a device copy of whole chunk
     // entries whose addresses point into locked, live tensors of at least
     // the chunk's length (the caller's contract), and the kernels only
     // touch `[p, p + n)` of each operand. The table and the flag are

@@ -85,17 +85,25 @@ pub(crate) enum ModuleId {
     Unscale,
     /// `optim.cu`: gradient accumulation, AdamW, SGD.
     Optim,
+    /// `norm.cu`: sum of squares, largest magnitude.
+    Norm,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 3] = [
+const MODULES: [(&str, &str); 4] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
+    ("norm", include_str!("norm.cu")),
 ];
 
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 3] = [ModuleId::Cast, ModuleId::Unscale, ModuleId::Optim];
+pub(crate) const ALL_MODULES: [ModuleId; 4] = [
+    ModuleId::Cast,
+    ModuleId::Unscale,
+    ModuleId::Optim,
+    ModuleId::Norm,
+];
 
 impl ModuleId {
     /// The source's file stem.
@@ -161,6 +169,12 @@ kernels! {
     SgdF32 => Optim, "sgd_f32";
     SgdBf16 => Optim, "sgd_bf16";
     SgdF16 => Optim, "sgd_f16";
+    SumSqF32 => Norm, "sumsq_f32";
+    SumSqBf16 => Norm, "sumsq_bf16";
+    SumSqF16 => Norm, "sumsq_f16";
+    MaxAbsF32 => Norm, "maxabs_f32";
+    MaxAbsBf16 => Norm, "maxabs_bf16";
+    MaxAbsF16 => Norm, "maxabs_f16";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).
@@ -227,6 +241,18 @@ impl KernelId {
     pub(crate) fn sgd(dtype: DType) -> KernelId {
         use KernelId::*;
         by_dtype(dtype, SgdF32, SgdBf16, SgdF16)
+    }
+
+    /// Per-chunk sums of squares.
+    pub(crate) fn sum_sq(dtype: DType) -> KernelId {
+        use KernelId::*;
+        by_dtype(dtype, SumSqF32, SumSqBf16, SumSqF16)
+    }
+
+    /// Per-chunk largest magnitudes.
+    pub(crate) fn max_abs(dtype: DType) -> KernelId {
+        use KernelId::*;
+        by_dtype(dtype, MaxAbsF32, MaxAbsBf16, MaxAbsF16)
     }
 }
 
@@ -409,4 +435,32 @@ pub fn compile_sources(arch: &str) -> Result<Vec<(&'static str, String)>> {
         .iter()
         .map(|&m| Ok((m.name(), compile(m, arch)?.to_src())))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Needs `libnvrtc` (no GPU): every `KernelId` names a kernel of its
+    /// module's PTX, so `load_function` cannot miss at run time.
+    #[test]
+    #[ignore = "needs libnvrtc; run with --ignored where it is installed"]
+    fn every_kernel_id_is_an_entry_of_its_module() -> Result<()> {
+        for &m in &ALL_MODULES {
+            let ptx = compile(m, "sm_80")?.to_src();
+            for id in KernelId::ALL.iter().filter(|id| id.module() == m) {
+                let entry = format!(".entry {}(", id.name());
+                assert!(ptx.contains(&entry), "{} not in {}.cu", id.name(), m.name());
+            }
+            let entries = ptx.matches(".entry ").count();
+            let ids = KernelId::ALL.iter().filter(|id| id.module() == m).count();
+            assert_eq!(
+                entries,
+                ids,
+                "{}.cu has kernels without a KernelId",
+                m.name()
+            );
+        }
+        Ok(())
+    }
 }

@@ -6,7 +6,7 @@
 use candle_core::{DType, Tensor};
 
 use super::launch::{launch, AdamWArgs, Args, SgdArgs};
-use super::operands::{by_dtype, chunk_table, elem_sizes, with_device_ptrs, Column};
+use super::operands::{by_dtype, chunk_table, elem_sizes, with_device_ptrs, Column, TABLE_WORDS};
 use super::{KernelId, WrapDriver};
 use crate::optim::{AdamWScalars, SgdScalars};
 use crate::{fallback, Result};
@@ -307,4 +307,50 @@ fn with_grads_no_buf(params: &[Tensor], grads: &[Tensor], a: SgdArgs) -> Result<
         }
         Ok(())
     })
+}
+
+/// Runs a per-chunk reduction over every dtype group of `ts` and returns
+/// the partial results in chunk order (group by group).
+fn partials(op: &'static str, ts: &[Tensor], kernel: fn(DType) -> KernelId) -> Result<Vec<f64>> {
+    let (elem, n) = (elem_sizes(ts), lens(ts));
+    with_device_ptrs(op, &[ts], |dev, ptrs| {
+        let stream = dev.cuda_stream();
+        let mut all = Vec::new();
+        for (dtype, idx) in by_dtype(ts) {
+            let cols = [Column {
+                ptrs: &ptrs[0],
+                elem: &elem,
+            }];
+            let table = chunk_table(&idx, &n, &cols);
+            let chunks = table.len() / TABLE_WORDS;
+            if chunks == 0 {
+                continue;
+            }
+            let mut out = stream.alloc_zeros::<f64>(chunks).w(op, "alloc")?;
+            launch(op, dev, kernel(dtype), &table, Args::Partials(&mut out))?;
+            all.extend(stream.clone_dtoh(&out).w(op, "memcpy_dtoh")?);
+        }
+        Ok(all)
+    })
+}
+
+/// See [`crate::sum_of_squares`]. Chunk sums are added on the host in
+/// chunk order, so the result is reproducible (though not the CPU path's
+/// bits: the summation order differs).
+pub(crate) fn sum_of_squares(tensors: &[Tensor]) -> Result<f64> {
+    Ok(partials("sum_of_squares", tensors, KernelId::sum_sq)?
+        .into_iter()
+        .sum())
+}
+
+/// See [`crate::max_abs`].
+pub(crate) fn max_abs(tensors: &[Tensor]) -> Result<f64> {
+    let parts = partials("max_abs", tensors, KernelId::max_abs)?;
+    Ok(parts.into_iter().fold(0f64, |acc, m| {
+        if m.is_nan() || acc.is_nan() {
+            f64::NAN
+        } else {
+            acc.max(m)
+        }
+    }))
 }
