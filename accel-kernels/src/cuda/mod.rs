@@ -12,6 +12,11 @@
 //! chunks (see `chunk_len`) and uploads a table of chunk descriptors
 //! (operand pointers plus length, see `common.cuh`); the blocks of one grid
 //! walk the table. Lists of mixed dtypes cost one launch per dtype.
+//! Reductions (`sum_of_squares`, `max_abs`) write one partial per chunk,
+//! combined on the host in chunk order; the overflow check of
+//! `unscale_and_check` / `has_non_finite` raises one device flag. Both read
+//! back a few bytes, so those calls synchronise with the device; every
+//! other call only enqueues work on candle's stream.
 //!
 //! # cudarc and linking
 //!

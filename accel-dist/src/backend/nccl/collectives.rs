@@ -108,6 +108,9 @@ impl NcclCommunicator {
             sys::cudaStream_t,
         ) -> std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<()> {
+        if input.elem_count() == 0 && output.elem_count() == 0 {
+            return Ok(()); // nothing to move on any rank (shapes match)
+        }
         let addr = |t: &Tensor, base: u64| {
             let start = t.layout().start_offset() * t.dtype().size_in_bytes();
             base + start as u64
@@ -142,6 +145,11 @@ impl NcclCommunicator {
             sys::cudaStream_t,
         ) -> std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<()> {
+        if host.is_empty() {
+            // Lengths match on every rank, so all skip alike; NCCL would
+            // do nothing, and a zero-byte device allocation is refused.
+            return Ok(());
+        }
         let copy_err =
             |e: cudarc::driver::DriverError| self.nccl_err(op, "memcpy", format!("{e:?}"));
         let dev: CudaSlice<T> = self.stream.clone_htod(&*host).map_err(copy_err)?;
@@ -171,6 +179,9 @@ impl NcclCommunicator {
             sys::cudaStream_t,
         ) -> std::result::Result<result::NcclStatus, result::NcclError>,
     ) -> Result<()> {
+        if input.is_empty() || out.is_empty() {
+            return Ok(()); // as in `staged`
+        }
         let copy_err =
             |e: cudarc::driver::DriverError| self.nccl_err(op, "memcpy", format!("{e:?}"));
         let src: CudaSlice<T> = self.stream.clone_htod(input).map_err(copy_err)?;
