@@ -43,7 +43,7 @@
 //! storage handle, while the device memory is ordered by candle's stream,
 //! on which every candle op of the device is also enqueued. Written tensors
 //! must not share storage with other tensors of the call
-//! ([`Error::AliasedStorage`](crate::Error::AliasedStorage)), as on the CPU.
+//! ([`Error::AliasedStorage`]), as on the CPU.
 
 mod launch;
 mod operands;

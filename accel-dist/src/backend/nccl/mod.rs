@@ -12,7 +12,7 @@
 //! candle's stream of the device, so they are ordered with every candle op
 //! without extra synchronisation. Tensors must be contiguous
 //! ([`Error::RequiresContiguous`] names the op) and on the communicator's
-//! device. The host-buffer methods of [`Communicator`] (and with them
+//! device. The host-buffer methods of [`Communicator`](crate::Communicator) (and with them
 //! `barrier`, the byte and object helpers, and CPU tensors) are staged
 //! through device memory: copy in, collective, copy out.
 //!
@@ -95,7 +95,7 @@ impl NcclConfig {
 /// in the same order, so the count names the store keys of the next one.
 static GENERATION: AtomicUsize = AtomicUsize::new(0);
 
-/// A [`Communicator`] over NCCL on one CUDA device.
+/// A [`Communicator`](crate::Communicator) over NCCL on one CUDA device.
 pub struct NcclCommunicator {
     rank: usize,
     world: usize,
