@@ -205,6 +205,48 @@ pub enum Error {
         reason: String,
     },
 
+    // === NCCL backend ===
+    /// An NCCL call failed.
+    #[error("{op}: NCCL {call} failed on rank {rank} (world {world}): {message}")]
+    Nccl {
+        /// The collective that was called.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+        /// The NCCL or CUDA call that failed (`ncclAllReduce`, `ncclCommInitRank`, ...).
+        call: &'static str,
+        /// NCCL's error string and last-error detail.
+        message: String,
+    },
+
+    /// An NCCL collective did not complete within the group's timeout; the
+    /// communicator was aborted.
+    #[error(
+        "{op}: NCCL collective did not complete within {waited:?} on rank {rank} (world {world}); \
+         a peer is missing or stuck, the communicator was aborted"
+    )]
+    NcclTimeout {
+        /// The collective that was called.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// The world size.
+        world: usize,
+        /// How long it waited.
+        waited: std::time::Duration,
+    },
+
+    /// A code path needs a cargo feature this build was compiled without.
+    #[error(
+        "{feature} support was not compiled in (enable the `{feature}` feature of accel-dist)"
+    )]
+    NotCompiled {
+        /// The cargo feature that is missing.
+        feature: &'static str,
+    },
+
     // === arguments ===
     /// A rank argument is outside the world.
     #[error("{op}: rank {rank} is out of range (world {world})")]
@@ -275,6 +317,17 @@ pub enum Error {
         op: &'static str,
         /// Where the tensor lives.
         device: String,
+    },
+
+    /// A tensor is on another device than the communicator's.
+    #[error("{op}: the tensor is on {got}, this communicator runs on {expected}")]
+    DeviceMismatch {
+        /// The operation that was called.
+        op: &'static str,
+        /// The communicator's device.
+        expected: String,
+        /// Where the tensor lives.
+        got: String,
     },
 
     /// A tensor has a shape the collective cannot split or match.

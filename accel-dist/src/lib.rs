@@ -5,7 +5,8 @@
 //! - [`TcpStore`] is the rendezvous key-value store the ranks meet through.
 //! - [`Communicator`] is the seam between training code and a transport:
 //!   [`LocalCommunicator`] for one process, [`TcpCommunicator`] for CPU
-//!   processes over TCP.
+//!   processes over TCP, [`NcclCommunicator`] for GPU processes (feature
+//!   `nccl`).
 //! - [`ProcessGroup`] puts the three together.
 //!
 //! ```no_run
@@ -19,7 +20,7 @@
 //! # Ok::<(), accel_dist::Error>(())
 //! ```
 #![warn(missing_docs)]
-// Only a future NCCL backend may opt back in, in its own audited file.
+// Only the NCCL backend opts back in, in its own audited file.
 #![deny(unsafe_code)]
 
 pub mod affinity;
@@ -37,12 +38,12 @@ pub mod rendezvous;
 mod tensor;
 
 pub use backend::tcp::{Algorithm, Collective, TcpCommunicator, TcpConfig, Transport};
-pub use backend::LocalCommunicator;
+pub use backend::{LocalCommunicator, NcclCommunicator, NcclConfig};
 pub use buffer::{Buffer, BufferMut};
 pub use communicator::{Communicator, CommunicatorExt};
 pub use error::{Error, Result};
 pub use group::ProcessGroup;
-pub use process::{InitProcessGroupKwargs, ProcessGroupConfig};
+pub use process::{Backend, InitProcessGroupKwargs, ProcessGroupConfig};
 pub(crate) use reduce::Element;
 pub use reduce::ReduceOp;
 pub use rendezvous::{StoreServer, TcpStore};

@@ -25,6 +25,9 @@ pub const ENV_TIMEOUT: &str = "ACCEL_DIST_TIMEOUT";
 /// `TORCHELASTIC_USE_AGENT_STORE`).
 pub const ENV_USE_AGENT_STORE: &str = "ACCEL_USE_AGENT_STORE";
 
+/// The collective backend: `auto`, `tcp` (alias `gloo`) or `nccl`.
+pub const ENV_BACKEND: &str = "ACCEL_DIST_BACKEND";
+
 /// The timeout PyTorch uses for process groups: 30 minutes.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1800);
 /// torchrun's default store port.
@@ -53,8 +56,36 @@ impl InitProcessGroupKwargs {
     }
 }
 
+/// The transport of a process group (PyTorch's `backend=` argument).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backend {
+    /// NCCL when the training device is a CUDA device and this build has
+    /// the `nccl` feature (`ProcessGroup::init_on`); TCP (or the local
+    /// communicator for one process) otherwise.
+    #[default]
+    Auto,
+    /// TCP between processes (PyTorch's `gloo`).
+    Tcp,
+    /// NCCL on `cuda:LOCAL_RANK`, also for a world of one; an error without
+    /// the `nccl` feature.
+    Nccl,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(Backend::Auto),
+            "tcp" | "gloo" => Ok(Backend::Tcp),
+            "nccl" => Ok(Backend::Nccl),
+            _ => Err("expected auto, tcp, gloo or nccl".into()),
+        }
+    }
+}
+
 /// Everything a process needs to join a job: its ranks, the store address,
-/// the job token and the timeout.
+/// the job token, the timeout and the backend.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProcessGroupConfig {
     /// Global rank, `0..world_size`.
@@ -75,6 +106,8 @@ pub struct ProcessGroupConfig {
     pub timeout: Duration,
     /// Whether a launcher hosts the store (then rank 0 only connects).
     pub use_agent_store: bool,
+    /// The collective transport.
+    pub backend: Backend,
 }
 
 impl Default for ProcessGroupConfig {
@@ -90,6 +123,7 @@ impl Default for ProcessGroupConfig {
             job_token: String::new(),
             timeout: DEFAULT_TIMEOUT,
             use_agent_store: false,
+            backend: Backend::Auto,
         }
     }
 }
@@ -176,6 +210,11 @@ impl ProcessGroupConfig {
             }
             cfg.timeout = Duration::from_secs_f64(secs);
         }
+        if let Some(v) = lookup(ENV_BACKEND) {
+            cfg.backend = v
+                .parse()
+                .map_err(|reason: String| env_err(ENV_BACKEND, &v, &reason))?;
+        }
         if let Some(v) = lookup(ENV_USE_AGENT_STORE) {
             cfg.use_agent_store = match v.trim().to_ascii_lowercase().as_str() {
                 "1" | "true" | "yes" => true,
@@ -195,6 +234,12 @@ impl ProcessGroupConfig {
     /// Sets the timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Sets the backend.
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
         self
     }
 

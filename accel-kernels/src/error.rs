@@ -113,6 +113,31 @@ pub enum Error {
         reason: String,
     },
 
+    // === CUDA
+    /// NVRTC could not compile one of the embedded kernel sources for a
+    /// device (the log says why; an unknown `sm_XX` means the installed
+    /// NVRTC is older than the GPU).
+    #[error("nvrtc: compiling {module}.cu for {arch} failed: {log}")]
+    Nvrtc {
+        /// The kernel source (`cast`, `unscale`, `optim`).
+        module: &'static str,
+        /// The target architecture, as `sm_XX`.
+        arch: String,
+        /// NVRTC's error and compile log.
+        log: String,
+    },
+
+    /// A CUDA driver call made for an operation failed.
+    #[error("{op}: CUDA {call} failed: {message}")]
+    Cuda {
+        /// The operation that was called.
+        op: &'static str,
+        /// The driver step that failed (`load_module`, `launch`, `memcpy`, ...).
+        call: &'static str,
+        /// The driver's error name and description.
+        message: String,
+    },
+
     /// A code path needs a cargo feature this build was compiled without.
     #[error("{feature} support was not compiled in (enable the `{feature}` feature)")]
     NotCompiled {

@@ -6,11 +6,15 @@
 //! weights. Done with one candle op per tensor, each pass allocates and
 //! walks memory separately. The functions here take whole lists of tensors
 //! and, for host tensors, do each job in a single fused, multi-threaded pass
-//! over all of them, updating storage in place. Tensors on other devices go
-//! through an equivalent built from candle tensor ops.
+//! over all of them, updating storage in place.
 //!
-//! The crate contains no `unsafe`: mutable access to tensor storage goes
-//! through candle's in-place custom ops (see [`with_slice_mut`]).
+//! With the `cuda` feature, tensors on a CUDA device run fused kernels
+//! compiled with NVRTC on first use (see [`cuda`]); without it, and for
+//! other devices, an equivalent built from candle tensor ops.
+//!
+//! The only `unsafe` is the kernel launch in `cuda/launch.rs`: host-side
+//! mutable access to tensor storage goes through candle's in-place custom
+//! ops (see [`with_slice_mut`]).
 //!
 //! In-place results are visible through every tensor sharing the storage
 //! (clones, the tensor of a `Var`). A call holds the storage locks of the
@@ -18,9 +22,14 @@
 //! tensor shares storage with another tensor of the same call (that would
 //! deadlock) with [`Error::AliasedStorage`].
 #![warn(missing_docs)]
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_off.rs"]
+pub mod cuda;
 mod error;
 mod fallback;
 mod multi_tensor;

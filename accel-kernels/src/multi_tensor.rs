@@ -1,5 +1,6 @@
 //! The public multi-tensor API: validates the lists, then runs the fused
-//! CPU kernels for host tensors and the tensor-op fallback for any other
+//! CPU kernels for host tensors, the fused CUDA kernels for CUDA tensors
+//! (with the `cuda` feature) and the tensor-op fallback for any other
 //! device.
 
 use candle_core::{DType, Device, Tensor};
@@ -14,7 +15,7 @@ use crate::validate::{
     check_contiguous, check_dtype, check_float, check_pairs, common_device, contiguous_inputs,
     for_each_group_mut, groups, is_float,
 };
-use crate::{fallback, Error, Result};
+use crate::{cuda, fallback, Error, Result};
 
 /// Converts every tensor of `src` to `dtype`, as new tensors.
 ///
@@ -29,6 +30,11 @@ pub fn cast_tensors(src: &[Tensor], dtype: DType) -> Result<Vec<Tensor>> {
         return Err(Error::UnsupportedDType { op: OP, dtype });
     }
     check_float(OP, src)?;
+    if let Ok(Some(dev)) = common_device(OP, &[src]) {
+        if dev.is_cuda() {
+            return cuda::cast_tensors(src, dtype);
+        }
+    }
     let fused: Vec<&Tensor> = src
         .iter()
         .filter(|t| t.dtype() != dtype && t.device().is_cpu() && t.is_contiguous())
@@ -113,7 +119,7 @@ pub fn cast_into(src: &[Tensor], dst: &[Tensor]) -> Result<()> {
     let Some(dev) = common_device(OP, &[src, dst])? else {
         return Ok(());
     };
-    if !dev.is_cpu() {
+    if !dev.is_cpu() && !dev.is_cuda() {
         return fallback::cast_into(src, dst);
     }
     let src = contiguous_inputs(src)?;
@@ -132,6 +138,9 @@ pub fn cast_into(src: &[Tensor], dst: &[Tensor]) -> Result<()> {
             },
         ],
     )?;
+    if dev.is_cuda() {
+        return cuda::cast_into(&src, dst);
+    }
     for r in groups(dst.len(), 1) {
         let s: Vec<&Tensor> = src[r.clone()].iter().collect();
         let d: Vec<&Tensor> = dst[r].iter().collect();
@@ -158,7 +167,7 @@ pub fn unscale_and_check(tensors: &[Tensor], inv_scale: f32) -> Result<bool> {
     let Some(dev) = common_device(OP, &[tensors])? else {
         return Ok(false);
     };
-    if !dev.is_cpu() {
+    if !dev.is_cpu() && !dev.is_cuda() {
         return fallback::unscale_and_check(tensors, inv_scale);
     }
     check_no_alias(
@@ -169,6 +178,9 @@ pub fn unscale_and_check(tensors: &[Tensor], inv_scale: f32) -> Result<bool> {
             written: true,
         }],
     )?;
+    if dev.is_cuda() {
+        return cuda::unscale_and_check(tensors, inv_scale);
+    }
     let mut found = false;
     for_each_group_mut(OP, tensors, |s| {
         found |= cpu::unscale::unscale_and_check(s, inv_scale, Plan::default());
@@ -191,11 +203,25 @@ fn reduce<R>(
         return Ok(empty);
     };
     if !dev.is_cpu() {
-        return fb(tensors);
+        // `fb` is the CUDA kernel where one exists, the tensor-op fallback
+        // otherwise.
+        return fb(&contiguous_inputs(tensors)?);
     }
     let tensors = contiguous_inputs(tensors)?;
     let refs: Vec<&Tensor> = tensors.iter().collect();
     with_float_slices(&refs, op, |s| Ok(cpu_fn(s)))
+}
+
+/// Runs the CUDA kernel for CUDA tensors, the fallback for other devices.
+fn on_device<R>(
+    ts: &[Tensor],
+    cuda_fn: impl FnOnce(&[Tensor]) -> Result<R>,
+    fallback_fn: impl FnOnce(&[Tensor]) -> Result<R>,
+) -> Result<R> {
+    match ts.first() {
+        Some(t) if t.device().is_cuda() => cuda_fn(ts),
+        _ => fallback_fn(ts),
+    }
 }
 
 /// True if any element of any tensor is inf or NaN.
@@ -205,21 +231,23 @@ pub fn has_non_finite(tensors: &[Tensor]) -> Result<bool> {
         tensors,
         false,
         |s| cpu::unscale::has_non_finite(s, Plan::default()),
-        fallback::has_non_finite,
+        |ts| on_device(ts, cuda::has_non_finite, fallback::has_non_finite),
     )
 }
 
 /// Sum of the squares of all elements of all tensors, accumulated in f64:
 /// the square of the global L2 norm used by `clip_grad_norm`.
 ///
-/// The result does not depend on the number of threads.
+/// The result does not depend on the number of threads. On CUDA the
+/// partial sums are combined in a fixed order too, so runs repeat
+/// bitwise, but the order differs from the CPU's (last-bits differences).
 pub fn sum_of_squares(tensors: &[Tensor]) -> Result<f64> {
     reduce(
         "sum_of_squares",
         tensors,
         0.0,
         |s| cpu::norm::sum_of_squares(s, Plan::default()),
-        fallback::sum_of_squares,
+        |ts| on_device(ts, cuda::sum_of_squares, fallback::sum_of_squares),
     )
 }
 
@@ -231,7 +259,7 @@ pub fn max_abs(tensors: &[Tensor]) -> Result<f64> {
         tensors,
         0.0,
         |s| cpu::norm::max_abs(s, Plan::default()),
-        fallback::max_abs,
+        |ts| on_device(ts, cuda::max_abs, fallback::max_abs),
     )
 }
 
@@ -240,7 +268,7 @@ fn in_place(op: &'static str, tensors: &[Tensor]) -> Result<Option<Device>> {
     check_float(op, tensors)?;
     check_contiguous(op, tensors)?;
     let dev = common_device(op, &[tensors])?;
-    if dev.as_ref().is_some_and(Device::is_cpu) {
+    if dev.as_ref().is_some_and(|d| d.is_cpu() || d.is_cuda()) {
         check_no_alias(
             op,
             &[ListArg {
@@ -259,6 +287,7 @@ pub fn scale_in_place(tensors: &[Tensor], factor: f32) -> Result<()> {
     const OP: &str = "scale_in_place";
     match in_place(OP, tensors)? {
         None => Ok(()),
+        Some(dev) if dev.is_cuda() => cuda::scale(tensors, factor),
         Some(dev) if !dev.is_cpu() => fallback::scale(tensors, factor),
         Some(_) => for_each_group_mut(OP, tensors, |s| {
             cpu::unscale::scale(s, factor, Plan::default());
@@ -274,6 +303,7 @@ pub fn clamp_in_place(tensors: &[Tensor], lo: f32, hi: f32) -> Result<()> {
     const OP: &str = "clamp_in_place";
     match in_place(OP, tensors)? {
         None => Ok(()),
+        Some(dev) if dev.is_cuda() => cuda::clamp(tensors, lo, hi),
         Some(dev) if !dev.is_cpu() => fallback::clamp(tensors, lo, hi),
         Some(_) => for_each_group_mut(OP, tensors, |s| {
             cpu::unscale::clamp(s, lo, hi, Plan::default());
@@ -294,7 +324,7 @@ pub fn add_in_place(dst: &[Tensor], src: &[Tensor]) -> Result<()> {
     let Some(dev) = common_device(OP, &[dst, src])? else {
         return Ok(());
     };
-    if !dev.is_cpu() {
+    if !dev.is_cpu() && !dev.is_cuda() {
         return fallback::add(dst, src);
     }
     let src = contiguous_inputs(src)?;
@@ -313,6 +343,9 @@ pub fn add_in_place(dst: &[Tensor], src: &[Tensor]) -> Result<()> {
             },
         ],
     )?;
+    if dev.is_cuda() {
+        return cuda::add(dst, &src);
+    }
     for r in groups(dst.len(), 1) {
         let s: Vec<&Tensor> = src[r.clone()].iter().collect();
         let d: Vec<&Tensor> = dst[r].iter().collect();

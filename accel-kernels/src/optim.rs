@@ -14,7 +14,7 @@ use crate::validate::{
     check_contiguous, check_dtype, check_float, check_pairs, common_device, contiguous_inputs,
     groups,
 };
-use crate::{fallback, Error, Result};
+use crate::{cuda, fallback, Error, Result};
 
 /// Hyper-parameters of AdamW (`torch.optim.AdamW`, `amsgrad=False`,
 /// `maximize=False`).
@@ -213,7 +213,7 @@ pub(crate) fn adamw_step_with(
         return Ok(());
     };
     let s = AdamWScalars::new(hp, step);
-    if !dev.is_cpu() {
+    if !dev.is_cpu() && !dev.is_cuda() {
         return fallback::adamw(params, grads, exp_avg, exp_avg_sq, &s);
     }
     let grads = contiguous_inputs(grads)?;
@@ -242,6 +242,9 @@ pub(crate) fn adamw_step_with(
             },
         ],
     )?;
+    if dev.is_cuda() {
+        return cuda::adamw(params, &grads, exp_avg, exp_avg_sq, &s);
+    }
     let grad_refs: Vec<&Tensor> = grads.iter().collect();
     with_float_slices(&grad_refs, ADAMW, |g| {
         for r in groups(params.len(), 3) {
@@ -334,7 +337,7 @@ pub(crate) fn sgd_step_with(
         return Ok(());
     };
     let s = SgdScalars::new(hp, step);
-    if !dev.is_cpu() {
+    if !dev.is_cpu() && !dev.is_cuda() {
         return fallback::sgd(params, grads, bufs, &s);
     }
     let grads = contiguous_inputs(grads)?;
@@ -358,6 +361,9 @@ pub(crate) fn sgd_step_with(
             },
         ],
     )?;
+    if dev.is_cuda() {
+        return cuda::sgd(params, &grads, bufs, &s);
+    }
     let grad_refs: Vec<&Tensor> = grads.iter().collect();
     let per_index = if bufs.is_some() { 2 } else { 1 };
     with_float_slices(&grad_refs, SGD, |g| {

@@ -174,12 +174,13 @@ pub(crate) enum FloatSlice<'a> {
     F16(&'a [f16]),
 }
 
-/// An address identifying the storage allocation of a CPU tensor; `None` for
-/// an empty allocation, which has no address and cannot conflict.
+/// An address identifying the storage allocation of a CPU or CUDA tensor;
+/// `None` for an empty allocation, which has no address and cannot
+/// conflict, and for other devices.
 pub(crate) fn storage_key(t: &Tensor) -> Option<usize> {
     let (guard, _) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*guard else {
-        return None;
+        return crate::cuda::storage_key(&guard);
     };
     let (ptr, len) = match cpu {
         CpuStorage::BF16(v) => (v.as_ptr() as usize, v.len()),

@@ -1,0 +1,153 @@
+// Shared helpers of the accel-kernels CUDA sources.
+//
+// The Rust side prepends this file to every .cu source before handing it to
+// NVRTC (which has no file system), and defines ACCEL_COMMON_CUH by doing so;
+// the guarded #include below each .cu only matters for a standalone
+// `nvcc --ptx` syntax check.
+//
+// No CUDA headers are included: NVRTC may run on a machine without a
+// toolkit. The half-precision conversions are written with the very PTX
+// instructions that cuda_fp16.hpp / cuda_bf16.hpp (CUDA 12/13) emit for
+// __float2half, __half2float, __float2bfloat16 and __bfloat162float under the
+// same __CUDA_ARCH__ conditions, which is what candle's `to_dtype` kernels
+// use; so results (NaN encodings included) are bitwise those of candle when
+// both are compiled for the same architecture.
+#ifndef ACCEL_COMMON_CUH
+#define ACCEL_COMMON_CUH
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// ============================================================ conversions
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{  cvt.f32.f16 %0, %1;}\n" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("{  cvt.rn.f16.f32 %0, %1;}\n" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    float f;
+#if __CUDA_ARCH__ >= 900
+    asm("{ cvt.f32.bf16 %0, %1;}\n" : "=f"(f) : "h"(h));
+#else
+    asm("{ mov.b32 %0, {0,%1};}\n" : "=f"(f) : "h"(h));
+#endif
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+#if __CUDA_ARCH__ >= 800
+    u16 h;
+    asm("{  cvt.rn.bf16.f32 %0, %1;}\n" : "=h"(h) : "f"(f));
+    return h;
+#else
+    // cuda_bf16.hpp's software path: canonical NaN, else round to nearest even.
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffU) > 0x7f800000U) {
+        return 0x7fffU;
+    }
+    return (u16)((x + 0x7fffU + ((x >> 16) & 1U)) >> 16);
+#endif
+}
+
+// ============================================================ element types
+
+// An element type: how it is stored (`raw`) and how it converts to and from
+// the f32 that every kernel computes in.
+struct F32 {
+    typedef float raw;
+    static __device__ __forceinline__ float load(raw x) { return x; }
+    static __device__ __forceinline__ raw store(float x) { return x; }
+};
+
+struct BF16 {
+    typedef u16 raw;
+    static __device__ __forceinline__ float load(raw x) { return bf16_to_f32(x); }
+    static __device__ __forceinline__ raw store(float x) { return f32_to_bf16(x); }
+};
+
+struct F16 {
+    typedef u16 raw;
+    static __device__ __forceinline__ float load(raw x) { return f16_to_f32(x); }
+    static __device__ __forceinline__ raw store(float x) { return f32_to_f16(x); }
+};
+
+// ============================================================ vector access
+
+// Elements moved per vector access: a float4 (16 bytes) for f32, 8 bytes
+// for the 16-bit types.
+#define VEC 4
+
+template <typename R>
+struct alignas(sizeof(R) * VEC) Pack {
+    R v[VEC];
+};
+
+// Can `p` be read VEC elements at a time?
+template <typename R>
+__device__ __forceinline__ bool vec_aligned(const R *p) {
+    return ((u64)p % (sizeof(R) * VEC)) == 0;
+}
+
+template <typename R>
+__device__ __forceinline__ Pack<R> load_pack(const R *p, u64 i) {
+    return reinterpret_cast<const Pack<R> *>(p + i)[0];
+}
+
+template <typename R>
+__device__ __forceinline__ void store_pack(R *p, u64 i, const Pack<R> &v) {
+    reinterpret_cast<Pack<R> *>(p + i)[0] = v;
+}
+
+// ============================================================ chunk table
+
+// A launch covers a list of tensors through a table of chunks in device
+// memory, TABLE_WORDS u64 per chunk: up to four operand pointers, already
+// offset to the chunk's first element (unused ones are 0), then the
+// chunk's element count. Blocks walk the chunks grid-stride; threads of a
+// block walk the elements of a chunk block-stride, VEC at a time when every
+// operand is aligned for it, with a scalar tail.
+#define TABLE_WORDS 5
+
+struct Chunk {
+    u64 p[4];
+    u64 n;
+};
+
+__device__ __forceinline__ Chunk chunk_at(const u64 *table, u32 c) {
+    const u64 *e = table + (u64)c * TABLE_WORDS;
+    Chunk k;
+    k.p[0] = e[0];
+    k.p[1] = e[1];
+    k.p[2] = e[2];
+    k.p[3] = e[3];
+    k.n = e[4];
+    return k;
+}
+
+// Runs `vec(i)` for i = 0, VEC, 2*VEC, ... while a whole vector fits (only
+// when `aligned`), then `one(i)` for the remaining elements.
+template <typename FV, typename F1>
+__device__ __forceinline__ void chunk_loop(u64 n, bool aligned, FV vec, F1 one) {
+    u64 nv = aligned ? n / VEC : 0;
+    for (u64 i = threadIdx.x; i < nv; i += blockDim.x) {
+        vec(i * VEC);
+    }
+    for (u64 i = nv * VEC + threadIdx.x; i < n; i += blockDim.x) {
+        one(i);
+    }
+}
+
+__device__ __forceinline__ bool non_finite(float x) {
+    return (__float_as_uint(x) & 0x7f800000U) == 0x7f800000U;
+}
+
+#endif // ACCEL_COMMON_CUH

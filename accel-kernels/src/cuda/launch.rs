@@ -1,0 +1,182 @@
+//! Kernel launches: the only `unsafe` of accel-kernels.
+//!
+//! A launch is unsafe because the driver cannot check that the arguments
+//! match the kernel's C signature or that the kernel stays inside its
+//! buffers. [`launch`] makes both hold by construction: each [`KernelId`]
+//! has one [`Args`] shape, checked before launching, and the chunk table it
+//! uploads only holds addresses of live, locked tensors (built by
+//! `operands::with_device_ptrs`) with the tensors' own element counts.
+#![allow(unsafe_code)]
+
+use candle_core::cuda::CudaDevice;
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::operands::TABLE_WORDS;
+use super::{function, KernelId, WrapDriver};
+use crate::{Error, Result};
+
+/// Threads per block.
+const BLOCK: u32 = 256;
+/// Most blocks per launch; more chunks are walked grid-stride.
+const MAX_BLOCKS: u32 = 8192;
+
+/// The f32 factors of one AdamW step, laid out as `struct AdamW` in
+/// `optim.cu` (eight 4-byte fields, no padding).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamWArgs {
+    pub decay: f32,
+    pub apply_decay: i32,
+    pub w1: f32,
+    pub beta2: f32,
+    pub c2: f32,
+    pub step_size: f32,
+    pub bc2_sqrt: f32,
+    pub eps: f32,
+}
+
+/// The f32 factors of one SGD step, laid out as `struct Sgd` in `optim.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SgdArgs {
+    pub lr: f32,
+    pub momentum: f32,
+    pub weight_decay: f32,
+    pub one_minus_dampening: f32,
+    pub has_momentum: i32,
+    pub has_weight_decay: i32,
+    pub nesterov: i32,
+    pub first: i32,
+}
+
+// SAFETY: both are `#[repr(C)]` structs of 4-byte plain-old-data fields,
+// identical in size and layout to the C structs the kernels take by value.
+unsafe impl DeviceRepr for AdamWArgs {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for SgdArgs {}
+
+/// The arguments after `(table, n_chunks)` of each kernel family.
+pub(crate) enum Args<'a> {
+    /// `cast_*`, `add_*`: none.
+    None,
+    /// `unscale_*`: the factor and the found-non-finite flag.
+    FactorFlag(f32, &'a mut CudaSlice<u32>),
+    /// `nonfinite_*`: the flag.
+    Flag(&'a mut CudaSlice<u32>),
+    /// `scale_*`: the factor.
+    Factor(f32),
+    /// `clamp_*`: the bounds.
+    Range(f32, f32),
+    /// `adamw_*`.
+    AdamW(AdamWArgs),
+    /// `sgd_*`.
+    Sgd(SgdArgs),
+    /// `sumsq_*`, `maxabs_*`: one f64 result per chunk.
+    Partials(&'a mut CudaSlice<f64>),
+}
+
+/// The one argument shape `id` was written for.
+fn matches(id: KernelId, args: &Args<'_>, table_len: usize) -> bool {
+    let name = id.name();
+    match args {
+        Args::None => name.starts_with("cast_") || name.starts_with("add_"),
+        Args::FactorFlag(..) => name.starts_with("unscale_"),
+        Args::Flag(_) => name.starts_with("nonfinite_"),
+        Args::Factor(_) => name.starts_with("scale_"),
+        Args::Range(..) => name.starts_with("clamp_"),
+        Args::AdamW(_) => name.starts_with("adamw_"),
+        Args::Sgd(_) => name.starts_with("sgd_"),
+        Args::Partials(p) => {
+            (name.starts_with("sumsq_") || name.starts_with("maxabs_"))
+                && p.len() * TABLE_WORDS == table_len
+        }
+    }
+}
+
+/// Uploads `table` (whole chunks of [`TABLE_WORDS`] words) and launches
+/// `id` over it on candle's stream of `dev`. Returns without launching
+/// when the table is empty. `op` names the caller in errors.
+///
+/// The caller must keep the tensors whose addresses are in `table` locked
+/// until the launch is enqueued (`with_device_ptrs` does), and must have
+/// built the table with `chunk_table` from those tensors, with the operand
+/// columns the kernel documents.
+pub(crate) fn launch(
+    op: &'static str,
+    dev: &CudaDevice,
+    id: KernelId,
+    table: &[u64],
+    args: Args<'_>,
+) -> Result<()> {
+    if !matches(id, &args, table.len()) || !table.len().is_multiple_of(TABLE_WORDS) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("internal: bad arguments for kernel {}", id.name()),
+        });
+    }
+    let n_chunks = table.len() / TABLE_WORDS;
+    if n_chunks == 0 {
+        return Ok(());
+    }
+    let n_chunks = u32::try_from(n_chunks).map_err(|_| Error::InvalidArgument {
+        op,
+        reason: format!("{n_chunks} chunks exceed one launch"),
+    })?;
+    let func = function(dev, id)?;
+    let stream = dev.cuda_stream();
+    let table = stream.clone_htod(table).w(op, "memcpy_htod")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n_chunks.min(MAX_BLOCKS), 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // Scalars are pushed by reference, so they live in locals that
+    // outlive the builder.
+    let (mut factor, mut lo, mut hi) = (0f32, 0f32, 0f32);
+    let (mut adamw, mut sgd) = (None, None);
+    let mut flag = None;
+    let mut partials = None;
+    match args {
+        Args::None => {}
+        Args::FactorFlag(f, fl) => (factor, flag) = (f, Some(fl)),
+        Args::Flag(fl) => flag = Some(fl),
+        Args::Factor(f) => factor = f,
+        Args::Range(l, h) => (lo, hi) = (l, h),
+        Args::AdamW(a) => adamw = Some(a),
+        Args::Sgd(s) => sgd = Some(s),
+        Args::Partials(p) => partials = Some(p),
+    }
+    let name = id.name();
+    let mut b = stream.launch_builder(&func);
+    b.arg(&table).arg(&n_chunks);
+    if name.starts_with("unscale_") || name.starts_with("scale_") {
+        b.arg(&factor);
+    }
+    if name.starts_with("clamp_") {
+        b.arg(&lo).arg(&hi);
+    }
+    if let Some(a) = &adamw {
+        b.arg(a);
+    }
+    if let Some(s) = &sgd {
+        b.arg(s);
+    }
+    if let Some(fl) = flag {
+        b.arg(fl);
+    }
+    if let Some(p) = partials {
+        b.arg(p);
+    }
+    // SAFETY: `matches` checked that the pushed arguments are exactly the
+    // kernel's parameters after `(const u64 *table, u32 n_chunks)`, with
+    // the same C types (f32 = float, u32 = u32, the `#[repr(C)]` structs;
+    // the flag is a device u32, the partials a device f64 array with one
+    // slot per chunk, checked by `matches`). `table` is a device copy of whole chunk
+    // entries whose addresses point into locked, live tensors of at least
+    // the chunk's length (the caller's contract), and the kernels only
+    // touch `[p, p + n)` of each operand. The table and the flag are
+    // `CudaSlice`s passed through `arg`, so cudarc orders their reuse and
+    // free after this launch.
+    unsafe { b.launch(cfg) }.w(op, "launch")?;
+    Ok(())
+}

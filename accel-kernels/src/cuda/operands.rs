@@ -1,0 +1,237 @@
+//! Device addresses of the tensors of a call, and the chunk tables that hand
+//! them to the kernels.
+
+use std::collections::HashMap;
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};
+use candle_core::{DType, Storage, Tensor};
+use cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
+
+use super::chunk_len;
+use crate::{Error, Result};
+
+/// Words per chunk in a launch table (see `common.cuh`): four operand
+/// addresses and a length.
+pub(crate) const TABLE_WORDS: usize = 5;
+
+/// The device address identifying the allocation behind a CUDA tensor, for
+/// the aliasing check; `None` for other storages and empty allocations.
+pub(crate) fn storage_key(storage: &Storage) -> Option<usize> {
+    let Storage::Cuda(cs) = storage else {
+        return None;
+    };
+    let stream = cs.device.cuda_stream();
+    // The read event recorded when the guard drops is harmless: nothing is
+    // enqueued between taking and dropping it.
+    let (ptr, _guard) = base_ptr(cs, &stream).ok()?;
+    (ptr != 0).then_some(ptr as usize)
+}
+
+/// The base address of a float storage's allocation and the guard that
+/// records candle's read event once the work using it is enqueued.
+fn base_ptr<'a>(cs: &'a CudaStorage, stream: &'a CudaStream) -> Result<(u64, SyncOnDrop<'a>)> {
+    Ok(match &cs.slice {
+        CudaStorageSlice::F32(s) => s.device_ptr(stream),
+        CudaStorageSlice::BF16(s) => s.device_ptr(stream),
+        CudaStorageSlice::F16(s) => s.device_ptr(stream),
+        _ => {
+            return Err(Error::UnsupportedDType {
+                op: "cuda",
+                dtype: cs.dtype(),
+            })
+        }
+    })
+}
+
+/// The address of every tensor's first element, list by list.
+pub(crate) type Ptrs = Vec<Vec<u64>>;
+
+/// Read-locks the storages of all tensors of `lists` (once per storage),
+/// and runs `f` with their device, and the address of each tensor's first
+/// element. The locks and candle's stream-ordering guards are held until
+/// `f` returns, so `f` must enqueue all the work on those addresses.
+///
+/// Every tensor must be a contiguous f32/bf16/f16 CUDA tensor of one
+/// device (checked by the callers before).
+pub(crate) fn with_device_ptrs<R>(
+    op: &'static str,
+    lists: &[&[Tensor]],
+    f: impl FnOnce(&CudaDevice, &Ptrs) -> Result<R>,
+) -> Result<R> {
+    let all: Vec<&Tensor> = lists.iter().flat_map(|l| l.iter()).collect();
+    let Some(first) = all.first() else {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "no tensors".into(),
+        });
+    };
+    let dev = first.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    // All keys first: each takes a short read lock of its own, and a second
+    // read lock on a storage already held could deadlock behind a writer.
+    let keys: Vec<Option<usize>> = all
+        .iter()
+        .map(|t| storage_key(&t.storage_and_layout().0))
+        .collect();
+    let mut guards = Vec::new();
+    let mut guard_of_key: HashMap<usize, usize> = HashMap::new();
+    let mut guard_idx = Vec::with_capacity(all.len());
+    for (t, key) in all.iter().zip(keys) {
+        let idx = match key.and_then(|k| guard_of_key.get(&k)) {
+            Some(&i) => i,
+            None => {
+                guards.push(t.storage_and_layout().0);
+                if let Some(k) = key {
+                    guard_of_key.insert(k, guards.len() - 1);
+                }
+                guards.len() - 1
+            }
+        };
+        guard_idx.push(idx);
+    }
+    let mut records = Vec::with_capacity(guards.len());
+    let mut bases = Vec::with_capacity(guards.len());
+    for g in &guards {
+        let Storage::Cuda(cs) = &**g else {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "tensors of a CUDA call must all be on the CUDA device".into(),
+            });
+        };
+        let (ptr, rec) = base_ptr(cs, &stream)?;
+        bases.push(ptr);
+        records.push(rec);
+    }
+    let mut ptrs: Ptrs = Vec::with_capacity(lists.len());
+    let mut k = 0;
+    for list in lists {
+        let mut v = Vec::with_capacity(list.len());
+        for (index, t) in list.iter().enumerate() {
+            let (start, _) = t
+                .layout()
+                .contiguous_offsets()
+                .ok_or(Error::RequiresContiguous { op, index })?;
+            v.push(bases[guard_idx[k]] + (start * t.dtype().size_in_bytes()) as u64);
+            k += 1;
+        }
+        ptrs.push(v);
+    }
+    let out = f(&dev, &ptrs);
+    // Recording the read events after the launches orders later work of
+    // other streams behind them; only then may the locks go.
+    drop(records);
+    drop(guards);
+    out
+}
+
+/// One operand column of a table: per tensor, its address and element size.
+pub(crate) struct Column<'a> {
+    /// Address of each tensor's first element (0: operand unused).
+    pub ptrs: &'a [u64],
+    /// Element size of each tensor, in bytes.
+    pub elem: &'a [usize],
+}
+
+/// The chunk table for tensors `idx` (positions in the columns), `lens[i]`
+/// elements each: for every chunk of [`chunk_len`] elements of the group's
+/// total, up to four operand addresses offset to the chunk, then its
+/// length. Empty tensors add no chunk.
+pub(crate) fn chunk_table(idx: &[usize], lens: &[usize], cols: &[Column<'_>]) -> Vec<u64> {
+    let chunk = chunk_len(idx.iter().map(|&i| lens[i]).sum());
+    chunk_table_with(idx, lens, cols, chunk)
+}
+
+/// [`chunk_table`] with an explicit chunk length.
+fn chunk_table_with(idx: &[usize], lens: &[usize], cols: &[Column<'_>], chunk: usize) -> Vec<u64> {
+    assert!(cols.len() < TABLE_WORDS, "at most four operands");
+    let chunks: usize = idx.iter().map(|&i| lens[i].div_ceil(chunk)).sum();
+    let mut table = Vec::with_capacity(chunks * TABLE_WORDS);
+    for &i in idx {
+        for off in (0..lens[i]).step_by(chunk) {
+            for w in 0..TABLE_WORDS - 1 {
+                table.push(match cols.get(w) {
+                    Some(c) if c.ptrs[i] != 0 => c.ptrs[i] + (off * c.elem[i]) as u64,
+                    _ => 0,
+                });
+            }
+            table.push((lens[i] - off).min(chunk) as u64);
+        }
+    }
+    table
+}
+
+/// Element sizes of a list's tensors.
+pub(crate) fn elem_sizes(ts: &[Tensor]) -> Vec<usize> {
+    ts.iter().map(|t| t.dtype().size_in_bytes()).collect()
+}
+
+/// Positions of `ts` grouped by dtype, in a fixed dtype order.
+pub(crate) fn by_dtype(ts: &[Tensor]) -> Vec<(DType, Vec<usize>)> {
+    [DType::F32, DType::BF16, DType::F16]
+        .into_iter()
+        .map(|d| {
+            let idx: Vec<usize> = (0..ts.len()).filter(|&i| ts[i].dtype() == d).collect();
+            (d, idx)
+        })
+        .filter(|(_, idx)| !idx.is_empty())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::{MAX_CHUNK, MIN_CHUNK};
+
+    #[test]
+    fn chunk_table_cuts_tensors_into_offset_chunks() {
+        const CHUNK: usize = 4096;
+        let lens = [CHUNK + 3, 0, 5];
+        let a = [1000, 7, 2000];
+        let b = [0, 0, 3000];
+        let cols = [
+            Column {
+                ptrs: &a,
+                elem: &[4, 4, 4],
+            },
+            Column {
+                ptrs: &b,
+                elem: &[2, 2, 2],
+            },
+        ];
+        let t = chunk_table_with(&[0, 1, 2], &lens, &cols, CHUNK);
+        let c = CHUNK as u64;
+        assert_eq!(
+            t,
+            vec![
+                1000,
+                0,
+                0,
+                0,
+                c,
+                1000 + 4 * c,
+                0,
+                0,
+                0,
+                3,
+                2000,
+                3000,
+                0,
+                0,
+                5
+            ]
+        );
+    }
+
+    #[test]
+    fn chunks_aim_for_about_two_thousand_per_launch() {
+        assert_eq!(chunk_len(0), MIN_CHUNK);
+        assert_eq!(chunk_len(1 << 20), MIN_CHUNK);
+        assert_eq!(chunk_len(1 << 24), 8192);
+        assert_eq!(chunk_len(1 << 30), MAX_CHUNK);
+        for total in [1usize, 5000, 3 << 20, 7 << 25] {
+            let c = chunk_len(total);
+            assert!(c.is_power_of_two() && c.is_multiple_of(4), "{total}: {c}");
+        }
+    }
+}

@@ -1,0 +1,376 @@
+//! The fused CUDA kernels against candle's CUDA `to_dtype` (casts, bit for
+//! bit) and against the CPU path (the other ops, bit for bit on NaN-free
+//! data). Every test passes with a printed note when the build has no
+//! `cuda` feature or the machine no CUDA device.
+
+use accel_kernels::{
+    adamw_step, add_in_place, cast_into, cast_tensors, clamp_in_place, has_non_finite, max_abs,
+    scale_in_place, sgd_step, sum_of_squares, unscale_and_check, AdamWParams, Result, SgdParams,
+};
+use candle_core::{DType, Device, Tensor};
+use half::{bf16, f16};
+
+/// `cuda:0`, or `None` (with a note) when there is none.
+fn cuda(test: &str) -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("{test}: skipped, no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+/// Deterministic pseudo-random u32s.
+fn random_bits(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 16) as u32
+        })
+        .collect()
+}
+
+/// Pseudo-random finite f32 values in [-scale, scale).
+fn randn(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    random_bits(n, seed)
+        .into_iter()
+        .map(|b| ((b >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+/// f32 values covering every class: zeros, subnormals, normals, the
+/// largest finite values, ties at bf16/f16 rounding, infinities, NaNs with
+/// payloads of both signs and quietness, then random bit patterns.
+fn special_f32(random: usize) -> Vec<f32> {
+    let mut bits: Vec<u32> = vec![
+        0x0000_0000,
+        0x8000_0000,
+        0x0000_0001,
+        0x8000_0001,
+        0x007F_FFFF,
+        0x0080_0000,
+        0x3F80_0000,
+        0x3F80_8000,
+        0x3F81_8000,
+        0x3F80_7FFF,
+        0x3F80_8001,
+        0x7F7F_FFFF,
+        0xFF7F_FFFF,
+        0x7F7F_8000,
+        0x477F_E000,
+        0x477F_F000,
+        0x3880_0000,
+        0x3300_0000,
+        0x7F80_0000,
+        0xFF80_0000,
+        0x7FC0_0000,
+        0xFFC0_0000,
+        0x7F80_0001,
+        0x7FBF_FFFF,
+        0xFF80_0001,
+        0x7FFF_FFFF,
+        0x7FA0_1234,
+    ];
+    bits.extend(random_bits(random, 7));
+    bits.into_iter().map(f32::from_bits).collect()
+}
+
+fn bits(t: &Tensor) -> Result<Vec<u32>> {
+    let t = t.flatten_all()?.to_device(&Device::Cpu)?;
+    Ok(match t.dtype() {
+        DType::F32 => t.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect(),
+        DType::BF16 => t
+            .to_vec1::<bf16>()?
+            .iter()
+            .map(|v| v.to_bits() as u32)
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<f16>()?
+            .iter()
+            .map(|v| v.to_bits() as u32)
+            .collect(),
+        d => panic!("unexpected dtype {d:?}"),
+    })
+}
+
+/// Asserts equal bits, reporting the first difference.
+fn assert_bits_eq(what: &str, got: &[u32], want: &[u32]) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        let diffs = (0..got.len()).filter(|&i| got[i] != want[i]).count();
+        panic!(
+            "{what}: {diffs} elements differ; first at {i}: got {:#x}, want {:#x}",
+            got[i], want[i]
+        );
+    }
+}
+
+/// Every bf16 and f16 bit pattern, as a tensor of that dtype on `dev`.
+fn all_patterns(dtype: DType, dev: &Device) -> Result<Tensor> {
+    let raw: Vec<u16> = (0..=u16::MAX).collect();
+    Ok(match dtype {
+        DType::BF16 => {
+            Tensor::from_vec(raw.into_iter().map(bf16::from_bits).collect(), 65536, dev)?
+        }
+        _ => Tensor::from_vec(raw.into_iter().map(f16::from_bits).collect(), 65536, dev)?,
+    })
+}
+
+#[test]
+fn every_half_pattern_casts_like_candle() -> Result<()> {
+    let Some(dev) = cuda("every_half_pattern_casts_like_candle") else {
+        return Ok(());
+    };
+    for from in [DType::BF16, DType::F16] {
+        let t = all_patterns(from, &dev)?;
+        for to in [DType::F32, DType::BF16, DType::F16] {
+            if to == from {
+                continue;
+            }
+            let want = bits(&t.to_dtype(to)?)?;
+            let got = bits(&cast_tensors(std::slice::from_ref(&t), to)?[0])?;
+            assert_bits_eq(&format!("{from:?} -> {to:?}"), &got, &want);
+            let dst = Tensor::zeros(65536, to, &dev)?;
+            cast_into(std::slice::from_ref(&t), std::slice::from_ref(&dst))?;
+            assert_bits_eq(
+                &format!("cast_into {from:?} -> {to:?}"),
+                &bits(&dst)?,
+                &want,
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn f32_specials_and_random_patterns_cast_like_candle() -> Result<()> {
+    let Some(dev) = cuda("f32_specials_and_random_patterns_cast_like_candle") else {
+        return Ok(());
+    };
+    let v = special_f32(1 << 20);
+    let t = Tensor::from_vec(v.clone(), v.len(), &dev)?;
+    for to in [DType::BF16, DType::F16] {
+        let want = bits(&t.to_dtype(to)?)?;
+        let got = bits(&cast_tensors(std::slice::from_ref(&t), to)?[0])?;
+        assert_bits_eq(&format!("f32 -> {to:?}"), &got, &want);
+    }
+    Ok(())
+}
+
+#[test]
+fn lists_with_odd_sizes_and_offsets_use_every_path() -> Result<()> {
+    let Some(dev) = cuda("lists_with_odd_sizes_and_offsets_use_every_path") else {
+        return Ok(());
+    };
+    // Sizes around the vector width and the chunk lengths (4 Ki here), and views that
+    // start one element in (misaligned: scalar path).
+    let sizes = [0usize, 1, 3, 4, 5, 4097, 65536, 65537, 3 * 65536 + 5];
+    let base = Tensor::from_vec(randn(4 * 65536, 1, 100.0), 4 * 65536, &dev)?;
+    let mut src = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        src.push(base.narrow(0, i % 2, n)?);
+    }
+    for to in [DType::BF16, DType::F16] {
+        let outs = cast_tensors(&src, to)?;
+        let dst: Vec<Tensor> = sizes
+            .iter()
+            .map(|&n| Ok(Tensor::zeros(n + 1, to, &dev)?.narrow(0, 1, n)?))
+            .collect::<Result<_>>()?;
+        cast_into(&src, &dst)?;
+        for ((s, o), d) in src.iter().zip(&outs).zip(&dst) {
+            let want = bits(&s.to_dtype(to)?)?;
+            assert_bits_eq("cast_tensors", &bits(o)?, &want);
+            assert_bits_eq("cast_into (offset destination)", &bits(d)?, &want);
+        }
+    }
+    Ok(())
+}
+
+/// A list of f32, bf16 and f16 tensors with the same values on `dev`.
+fn mixed_list(dev: &Device, n: usize, seed: u64) -> Result<Vec<Tensor>> {
+    let mut out = Vec::new();
+    for (i, dtype) in [DType::F32, DType::BF16, DType::F16, DType::F32]
+        .into_iter()
+        .enumerate()
+    {
+        let v = randn(n + i * 7, seed + i as u64, 4.0);
+        out.push(Tensor::from_vec(v, n + i * 7, dev)?.to_dtype(dtype)?);
+    }
+    Ok(out)
+}
+
+fn to_cpu(ts: &[Tensor]) -> Result<Vec<Tensor>> {
+    Ok(ts
+        .iter()
+        .map(|t| t.to_device(&Device::Cpu))
+        .collect::<candle_core::Result<_>>()?)
+}
+
+fn assert_lists_eq(what: &str, got: &[Tensor], want: &[Tensor]) -> Result<()> {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_bits_eq(&format!("{what}[{i}]"), &bits(g)?, &bits(w)?);
+    }
+    Ok(())
+}
+
+#[test]
+fn unscale_flags_injected_inf_and_nan_and_scales_like_the_cpu() -> Result<()> {
+    let Some(dev) = cuda("unscale_flags_injected_inf_and_nan_and_scales_like_the_cpu") else {
+        return Ok(());
+    };
+    let gpu = mixed_list(&dev, 70_001, 3)?;
+    let cpu = to_cpu(&gpu)?;
+    assert!(!unscale_and_check(&gpu, 1.0 / 1024.0)?);
+    assert!(!unscale_and_check(&cpu, 1.0 / 1024.0)?);
+    assert_lists_eq("unscaled", &gpu, &cpu)?;
+    assert!(!has_non_finite(&gpu)?);
+    for (i, bad) in [f32::INFINITY, f32::NAN, f32::NEG_INFINITY]
+        .into_iter()
+        .enumerate()
+    {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let clean = Tensor::from_vec(randn(1000, 9, 1.0), 1000, &dev)?.to_dtype(dtype)?;
+            let poisoned = Tensor::cat(
+                &[
+                    &clean.narrow(0, 0, 500 + i)?,
+                    &Tensor::new(&[bad], &dev)?.to_dtype(dtype)?,
+                    &clean.narrow(0, 501 + i, 499 - i)?,
+                ],
+                0,
+            )?;
+            let list = vec![clean.clone(), poisoned];
+            assert!(has_non_finite(&list)?, "{bad} in {dtype:?}");
+            assert!(unscale_and_check(&list, 0.5)?, "{bad} in {dtype:?}");
+            assert!(!unscale_and_check(&list[..1], 1.0)?, "clean {dtype:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn in_place_ops_match_the_cpu_path_bit_for_bit() -> Result<()> {
+    let Some(dev) = cuda("in_place_ops_match_the_cpu_path_bit_for_bit") else {
+        return Ok(());
+    };
+    let gpu = mixed_list(&dev, 65_539, 11)?;
+    let cpu = to_cpu(&gpu)?;
+    scale_in_place(&gpu, 0.37)?;
+    scale_in_place(&cpu, 0.37)?;
+    assert_lists_eq("scale", &gpu, &cpu)?;
+    clamp_in_place(&gpu, -0.5, 0.75)?;
+    clamp_in_place(&cpu, -0.5, 0.75)?;
+    assert_lists_eq("clamp", &gpu, &cpu)?;
+
+    let dst_gpu: Vec<Tensor> = gpu
+        .iter()
+        .map(|t| {
+            Ok(Tensor::from_vec(
+                randn(t.elem_count(), 5, 1.0),
+                t.shape(),
+                &dev,
+            )?)
+        })
+        .collect::<Result<_>>()?;
+    let dst_cpu = to_cpu(&dst_gpu)?;
+    add_in_place(&dst_gpu, &gpu)?;
+    add_in_place(&dst_cpu, &cpu)?;
+    assert_lists_eq("add", &dst_gpu, &dst_cpu)?;
+    Ok(())
+}
+
+#[test]
+fn optimizer_steps_match_the_cpu_path_bit_for_bit() -> Result<()> {
+    let Some(dev) = cuda("optimizer_steps_match_the_cpu_path_bit_for_bit") else {
+        return Ok(());
+    };
+    let grads = mixed_list(&dev, 65_541, 21)?;
+    let f32_like = |seed: u64, scale: f32| -> Result<Vec<Tensor>> {
+        grads
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let v = randn(g.elem_count(), seed + i as u64, scale);
+                Ok(Tensor::from_vec(v, g.shape(), &dev)?)
+            })
+            .collect()
+    };
+    let (p, m) = (f32_like(100, 1.0)?, f32_like(200, 0.1)?);
+    let v: Vec<Tensor> = f32_like(300, 0.1)?
+        .iter()
+        .map(|t| Ok(t.sqr()?))
+        .collect::<Result<_>>()?;
+    let (pc, mc, vc, gc) = (to_cpu(&p)?, to_cpu(&m)?, to_cpu(&v)?, to_cpu(&grads)?);
+    let hp = AdamWParams::default();
+    for step in 1..=3 {
+        adamw_step(&p, &grads, &m, &v, step, &hp)?;
+        adamw_step(&pc, &gc, &mc, &vc, step, &hp)?;
+    }
+    assert_lists_eq("adamw params", &p, &pc)?;
+    assert_lists_eq("adamw exp_avg", &m, &mc)?;
+    assert_lists_eq("adamw exp_avg_sq", &v, &vc)?;
+
+    let bufs = f32_like(400, 1.0)?;
+    let bufs_c = to_cpu(&bufs)?;
+    let hp = SgdParams {
+        lr: 0.01,
+        momentum: 0.9,
+        weight_decay: 1e-4,
+        dampening: 0.0,
+        nesterov: true,
+    };
+    for step in 1..=2 {
+        sgd_step(&p, &grads, Some(&bufs), step, &hp)?;
+        sgd_step(&pc, &gc, Some(&bufs_c), step, &hp)?;
+    }
+    sgd_step(&p, &grads, None, 1, &SgdParams::default())?;
+    sgd_step(&pc, &gc, None, 1, &SgdParams::default())?;
+    assert_lists_eq("sgd params", &p, &pc)?;
+    assert_lists_eq("sgd momentum", &bufs, &bufs_c)?;
+    Ok(())
+}
+
+#[test]
+fn reductions_match_the_cpu_path() -> Result<()> {
+    let Some(dev) = cuda("reductions_match_the_cpu_path") else {
+        return Ok(());
+    };
+    let gpu = mixed_list(&dev, 300_007, 31)?;
+    let cpu = to_cpu(&gpu)?;
+    let (g, c) = (sum_of_squares(&gpu)?, sum_of_squares(&cpu)?);
+    assert!((g - c).abs() <= 1e-12 * c, "sum_of_squares {g} vs {c}");
+    assert_eq!(
+        sum_of_squares(&gpu)?.to_bits(),
+        g.to_bits(),
+        "not reproducible"
+    );
+    assert_eq!(max_abs(&gpu)?, max_abs(&cpu)?);
+    assert_eq!(sum_of_squares(&gpu[..0])?, 0.0);
+    let nan = Tensor::new(&[1f32, f32::NAN, 3.0], &dev)?.to_dtype(DType::BF16)?;
+    assert!(max_abs(&[gpu[0].clone(), nan])?.is_nan());
+    Ok(())
+}
+
+#[test]
+fn precompile_loads_every_kernel() -> Result<()> {
+    let Some(dev) = cuda("precompile_loads_every_kernel") else {
+        return Ok(());
+    };
+    accel_kernels::cuda::precompile(&dev)
+}
+
+/// NVRTC alone (no GPU needed, but `libnvrtc` must load): every source
+/// compiles for the architectures the kernels are written for.
+#[test]
+#[ignore = "needs libnvrtc; run with --ignored where it is installed"]
+fn nvrtc_compiles_every_source() -> Result<()> {
+    for arch in ["sm_75", "sm_80", "sm_90"] {
+        for (name, ptx) in accel_kernels::cuda::compile_sources(arch)? {
+            assert!(ptx.contains(".entry"), "{name} for {arch} has no kernels");
+        }
+    }
+    Ok(())
+}
