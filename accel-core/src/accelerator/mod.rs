@@ -109,8 +109,9 @@ impl Accelerator {
         if let Some(kwargs) = &config.init_kwargs {
             pg_config = pg_config.with_kwargs(kwargs);
         }
-        // World 1 gives a local communicator; more ranks meet at MASTER_ADDR.
-        let group = ProcessGroup::init(pg_config)?;
+        // World 1 gives a local communicator; more ranks meet at MASTER_ADDR
+        // (over NCCL when training on CUDA with the `nccl` feature).
+        let group = ProcessGroup::init_on(pg_config, &state.device)?;
         if config.gradient_accumulation.num_steps == 0 {
             return Err(Error::Config {
                 key: "gradient_accumulation_steps".into(),
