@@ -55,7 +55,11 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let project = ProjectConfiguration::automatic(&args.out).with_total_limit(2);
+    let mut project = ProjectConfiguration::automatic(&args.out).with_total_limit(2);
+    // A second run in the same folder numbers its checkpoints after the
+    // first's instead of refusing to overwrite them (as the Trainer does).
+    let existing = accel_core::checkpoint::list_checkpoints(args.out.join("checkpoints"))?;
+    project.iteration = existing.last().map_or(0, |(n, _)| n + 1);
     let config = AcceleratorConfig::default()
         .with_mixed_precision(args.mixed_precision)
         .with_gradient_accumulation_steps(args.gradient_accumulation_steps)
