@@ -244,9 +244,8 @@ impl Accelerator {
             .map(|(i, o)| match o.model().sharding() {
                 None => load(&stem("optimizer", i)),
                 Some(s) => {
-                    let own = fsdp_state::rank_stem(&stem("optimizer", i), rank);
                     if fsdp_state::check_sharded_world(&s, &dir, i)? {
-                        load(&own)
+                        load(&fsdp_state::rank_stem(&stem("optimizer", i), rank))
                     } else {
                         fsdp_state::optimizer_pieces(&s, load(&stem("optimizer", i))?)
                     }

@@ -64,7 +64,9 @@ pub struct Accelerator {
     /// Keeps the rendezvous store (hosted by rank 0) alive for the whole run.
     _group: ProcessGroup,
     comm: Arc<dyn Communicator>,
-    buckets: Vec<GradBuckets>,
+    /// DDP gradient buckets of each prepared model, in `models` order;
+    /// `None` for sharded models, whose gradients are reduce-scattered instead.
+    buckets: Vec<Option<GradBuckets>>,
     config: AcceleratorConfig,
     grad_state: GradientState,
     scaler: Option<Arc<Mutex<GradScaler>>>,
@@ -282,7 +284,8 @@ impl Accelerator {
             model.refresh_model_weights()?;
         }
         let cap = (self.config.ddp.bucket_cap_mb * 1024.0 * 1024.0) as usize;
-        self.buckets.push(GradBuckets::new(&model.numels(), cap));
+        self.buckets
+            .push(Some(GradBuckets::new(&model.numels(), cap)));
         self.models.push(model.clone());
         Ok(model)
     }
@@ -398,9 +401,7 @@ impl Accelerator {
         // DDP averages at the end of an accumulation cycle only (no_sync before).
         if self.num_processes() > 1 && self.sync_gradients() {
             for (m, b) in self.models.iter().zip(&self.buckets) {
-                if m.is_sharded() {
-                    continue;
-                }
+                let Some(b) = b else { continue };
                 m.all_reduce_grads(self.comm(), b, self.config.ddp.comm_hook)?;
             }
         }

@@ -2,7 +2,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use accel_dist::ddp::GradBuckets;
 use candle_core::Device;
 use candle_nn::VarBuilder;
 
@@ -26,10 +25,7 @@ impl Accelerator {
         build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, FsdpModel)> {
         let plugin = self.config.fsdp.clone().unwrap_or_default();
-        let (world, rank) = match plugin.sharding_strategy {
-            accel_dist::fsdp::ShardingStrategy::NoShard => (1, 0),
-            _ => (self.num_processes(), self.process_index()),
-        };
+        let (world, rank) = plugin.shard_group(self.num_processes(), self.process_index());
         let master_device = if plugin.cpu_offload {
             Device::Cpu
         } else {
@@ -59,7 +55,7 @@ impl Accelerator {
             master_device,
         )?;
         let params = model.params().clone();
-        self.buckets.push(GradBuckets::new(&params.numels(), 0));
+        self.buckets.push(None);
         self.models.push(params);
         self.fsdp_models.push(model.clone());
         Ok((user_model, model))

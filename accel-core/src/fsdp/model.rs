@@ -58,10 +58,7 @@ impl FsdpModel {
         pieces.sort_by(|a, b| a.0.cmp(&b.0));
         let names: Vec<String> = pieces.iter().map(|p| p.0.clone()).collect();
         let numels: Vec<usize> = pieces.iter().map(|p| p.1.elem_count()).collect();
-        let (world, rank) = match plugin.sharding_strategy {
-            ShardingStrategy::NoShard => (1, 0),
-            _ => (comm.world_size(), comm.rank()),
-        };
+        let (world, rank) = plugin.shard_group(comm.world_size(), comm.rank());
         let units = group_units(&names, &numels, &plugin.auto_wrap_policy)
             .into_iter()
             .map(|(prefix, ids)| {

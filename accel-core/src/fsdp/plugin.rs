@@ -129,6 +129,15 @@ impl FullyShardedDataParallelPlugin {
         self
     }
 
+    /// The `(world, rank)` parameters are split between for rank `rank` of
+    /// `world`: NO_SHARD keeps whole parameters, as a world of one.
+    pub fn shard_group(&self, world: usize, rank: usize) -> (usize, usize) {
+        match self.sharding_strategy {
+            ShardingStrategy::NoShard => (1, 0),
+            _ => (world, rank),
+        }
+    }
+
     /// FSDP2's name for the difference between `FullShard` and `ShardGradOp`.
     pub fn reshard_after_forward(&self) -> bool {
         self.sharding_strategy == ShardingStrategy::FullShard

@@ -215,25 +215,21 @@ impl Sharding {
         let (u, k) = self.slot_of[id];
         let layout = &self.units[u].layout;
         let slot = &layout.slots()[k];
-        let world = layout.world();
-        if world == 1 {
-            return Ok(piece.reshape(&slot.shape)?);
-        }
-        let padded = {
-            let p = piece.flatten_all()?.to_device(&Device::Cpu)?;
-            let pad = slot.chunk - p.elem_count();
-            if pad > 0 {
-                p.pad_with_zeros(0, 0, pad)?
-            } else {
-                p
-            }
-        };
-        let all = if slot.chunk == 0 {
-            padded
-        } else {
-            self.comm.all_gather_tensor(&padded)?
-        };
-        Ok(all.narrow(0, 0, slot.numel)?.reshape(&slot.shape)?)
+        // The unit's layout restricted to this one parameter.
+        let single = ShardLayout::new(
+            &[(slot.name.clone(), slot.shape.clone())],
+            layout.world(),
+            layout.rank(),
+        )?;
+        let mut full = single.all_gather(
+            &*self.comm,
+            std::slice::from_ref(piece),
+            piece.dtype(),
+            &Device::Cpu,
+        )?;
+        Ok(full
+            .pop()
+            .expect("a one-parameter layout gathers one tensor"))
     }
 
     /// This rank's piece of the full tensor `full` of parameter `id`.
