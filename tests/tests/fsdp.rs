@@ -356,3 +356,30 @@ fn pretrained_weights_stream_into_the_shards_from_rank_0_and_a_bad_file_fails_ev
     .unwrap_err();
     assert!(err.contains("failed"), "{err}");
 }
+
+#[test]
+fn a_no_shard_sharded_checkpoint_holds_one_full_copy_that_merges_and_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let args = ["--fsdp", "NO_SHARD", "--sharded-state-dict"];
+    let saved = launch(&dir, 2, &with(&args, &["--steps", "2", "--save"])).unwrap();
+    let ckpt = dir.join("checkpoints/checkpoint_0");
+    // Every rank holds whole parameters, so one file is the whole model.
+    assert!(ckpt.join("model_fsdp_0/rank_0.safetensors").is_file());
+    assert!(!ckpt.join("model_fsdp_0/rank_1.safetensors").exists());
+    let merged = accel_core::fsdp::merge_sharded_weights(&ckpt).unwrap();
+    let want = saved["weights"].as_object().unwrap();
+    for (name, t) in merged {
+        let bits: Vec<Value> = t
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| Value::from(x.to_bits()))
+            .collect();
+        assert_eq!(Value::Array(bits), want[&name], "{name}");
+    }
+    let resumed = launch(&dir, 2, &with(&args, &["--steps", "2", "--resume"])).unwrap();
+    assert_eq!(resumed["weights"], saved["weights"]);
+}

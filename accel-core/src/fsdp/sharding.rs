@@ -102,6 +102,13 @@ impl Sharding {
         }
     }
 
+    /// `(world, rank)` of the parameter split: the process group's, or
+    /// `(1, 0)` under NO_SHARD, where every rank holds whole parameters.
+    pub fn shard_group(&self) -> (usize, usize) {
+        let layout = &self.units[0].layout;
+        (layout.world(), layout.rank())
+    }
+
     /// True when gradients differ between ranks after reduction (each rank
     /// holds other pieces), so norms and overflow checks need a collective.
     pub fn grads_are_sharded(&self) -> bool {

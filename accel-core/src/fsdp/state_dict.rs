@@ -41,26 +41,25 @@ pub(crate) fn rank_stem(stem: &str, rank: usize) -> String {
 /// Converts an optimizer state over pieces into the state over full
 /// parameters: every `state.{id}.*` tensor is gathered (collective).
 pub(crate) fn full_optimizer_state(s: &Sharding, state: StateDict) -> Result<StateDict> {
-    let mut tensors = BTreeMap::new();
-    for (key, t) in state.tensors {
-        let t = match parse_state_key(&key) {
-            Some((id, _)) if id < s.slot_of.len() => s.gather_full(id, &t)?,
-            _ => t,
-        };
-        tensors.insert(key, t);
-    }
-    Ok(StateDict {
-        tensors,
-        meta: state.meta,
-    })
+    map_parameter_state(s, state, |id, _, t| s.gather_full(id, &t))
 }
 
 /// This rank's pieces of an optimizer state over full parameters.
 pub(crate) fn optimizer_pieces(s: &Sharding, state: StateDict) -> Result<StateDict> {
+    map_parameter_state(s, state, |id, key, t| s.piece_of(id, &t, key))
+}
+
+/// Applies `f(id, key, tensor)` to every per-parameter `state.{id}.*`
+/// tensor of `state`, keeping the others and the metadata.
+fn map_parameter_state(
+    s: &Sharding,
+    state: StateDict,
+    f: impl Fn(usize, &str, Tensor) -> Result<Tensor>,
+) -> Result<StateDict> {
     let mut tensors = BTreeMap::new();
     for (key, t) in state.tensors {
         let t = match parse_state_key(&key) {
-            Some((id, _)) if id < s.slot_of.len() => s.piece_of(id, &t, &key)?,
+            Some((id, _)) if id < s.slot_of.len() => f(id, &key, t)?,
             _ => t,
         };
         tensors.insert(key, t);
@@ -79,12 +78,17 @@ pub(crate) fn write_sharded_model(
     dir: &Path,
     i: usize,
 ) -> Result<()> {
+    // Under NO_SHARD every rank holds the same whole parameters: the main
+    // process writes them once, as the single piece of a world of one.
+    let (world, rank) = s.shard_group();
+    if world == 1 && s.comm.rank() != 0 {
+        return Ok(());
+    }
     let folder = sharded_model_dir(dir, i);
     std::fs::create_dir_all(&folder).map_err(|e| Error::io("creating", &folder, e))?;
-    let rank = s.comm.rank();
     let pieces: BTreeMap<String, Tensor> = model.master_weights().into_iter().collect();
     let meta: std::collections::HashMap<String, String> = [
-        ("world_size".to_string(), s.comm.world_size().to_string()),
+        ("world_size".to_string(), world.to_string()),
         ("rank".to_string(), rank.to_string()),
     ]
     .into();
@@ -100,7 +104,7 @@ pub(crate) fn write_sharded_model(
             .flat_map(|u| u.layout.slots())
             .map(|slot| (slot.name.clone(), json!(slot.shape.dims())))
             .collect();
-        let index = json!({ "world_size": s.comm.world_size(), "shapes": shapes });
+        let index = json!({ "world_size": world, "shapes": shapes });
         checkpoint::write_json(folder.join("index.json"), &index)?;
     }
     Ok(())
@@ -138,11 +142,12 @@ pub(crate) fn check_sharded_world(s: &Sharding, dir: &Path, i: usize) -> Result<
         return Ok(false);
     }
     let (world, _) = read_index(&folder)?;
-    if world != s.comm.world_size() {
+    let (ours, _) = s.shard_group();
+    if world != ours {
         return Err(Error::Config {
             key: folder.display().to_string(),
             reason: format!(
-                "a sharded checkpoint of {world} ranks cannot be loaded by {} ranks: merge it with `accel merge-weights` or save with FULL_STATE_DICT",
+                "its parameters are split {world} ways but this run splits them {ours} ways ({} ranks): merge it with `accel merge-weights` or save with FULL_STATE_DICT",
                 s.comm.world_size()
             ),
         });
@@ -163,7 +168,7 @@ pub(crate) fn restore_sharded(
     if !check_sharded_world(s, dir, i)? {
         return load_full_into_pieces(model, s, full);
     }
-    let path = sharded_model_dir(dir, i).join(format!("rank_{}.safetensors", s.comm.rank()));
+    let path = sharded_model_dir(dir, i).join(format!("rank_{}.safetensors", s.shard_group().1));
     let vars = model.named_masters();
     let specs: Vec<_> = vars
         .iter()
