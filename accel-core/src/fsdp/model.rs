@@ -271,23 +271,35 @@ impl FsdpModel {
     pub(crate) fn collect_gradients(&self, store: &GradStore) -> Result<()> {
         let live = std::mem::take(&mut *lock(&self.sharding.live));
         for (u, tensors) in live {
-            let grads = tensors
-                .iter()
-                .map(|t| match store.get(t) {
-                    Some(g) => Ok(g.clone()),
-                    None => t.zeros_like(),
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            let pieces = self.sharding.reduce(u, &grads)?;
-            self.params
-                .accumulate_pieces(&self.sharding.units[u].ids, &pieces)?;
+            self.deposit_unit_grads(u, grads_of(store, &tensors)?)?;
         }
         // Units whose backward never ran (a forward without loss) let go here.
         lock(&self.sharding.kept).clear();
         Ok(())
     }
+
+    /// Reduces `full`, the full gradients of unit `u` in layout order, across
+    /// ranks and adds this rank's pieces to the accumulators.
+    pub(crate) fn deposit_unit_grads(&self, u: usize, full: Vec<Tensor>) -> Result<()> {
+        let pieces = self.sharding.reduce(u, &full)?;
+        drop(full);
+        self.params
+            .accumulate_pieces(&self.sharding.units[u].ids, &pieces)
+    }
 }
 
-fn wrap(e: Error) -> candle_core::Error {
+/// The gradient `store` holds for each of `tensors`, zeros where it has none
+/// (a parameter the loss did not reach still takes part in the reduction).
+pub(crate) fn grads_of(store: &GradStore, tensors: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+    tensors
+        .iter()
+        .map(|t| match store.get(t) {
+            Some(g) => Ok(g.clone()),
+            None => t.zeros_like(),
+        })
+        .collect()
+}
+
+pub(super) fn wrap(e: Error) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }

@@ -15,7 +15,7 @@ use candle_core::cpu_backend::CpuDevice;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 use candle_nn::VarBuilder;
 
-use super::model::FsdpModel;
+use super::model::{grads_of, wrap, FsdpModel};
 use super::sharding::lock;
 
 /// A unit's computation: builds the unit from a `VarBuilder` over its full
@@ -28,10 +28,6 @@ pub(crate) struct UnitOp {
     pub f: Arc<UnitFn>,
     pub out_shape: Shape,
     pub out_dtype: DType,
-}
-
-fn wrap(e: crate::Error) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
 }
 
 impl CustomOp1 for UnitOp {
@@ -72,20 +68,12 @@ impl CustomOp1 for UnitOp {
         let out = (self.f)(vb, x.as_tensor())?;
         // d/d(out) of sum(out * g) is exactly g, whatever the dtype.
         let grads = (out * grad.detach())?.sum_all()?.backward()?;
-        let param_grads = tensors
-            .iter()
-            .map(|t| match grads.get(t) {
-                Some(g) => Ok(g.clone()),
-                None => t.zeros_like(),
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let param_grads = grads_of(&grads, &tensors)?;
         let gx = grads.get(x.as_tensor()).cloned();
+        // The recomputation's own gradients go before the collective.
         drop(grads);
-        let pieces = sharding.reduce(self.unit, &param_grads).map_err(wrap)?;
-        drop(param_grads);
         self.model
-            .params()
-            .accumulate_pieces(&sharding.units[self.unit].ids, &pieces)
+            .deposit_unit_grads(self.unit, param_grads)
             .map_err(wrap)?;
         Ok(gx)
     }
