@@ -1,6 +1,6 @@
 //! accel-core: the `Accelerator` for training candle models.
 //!
-//! One crate to depend on: it re-exports the lower crates as [`kernels`],
+//! One crate to depend on: it re-exports the lower crates as [`kernels`], [`nn`],
 //! [`dist`] and [`bigmodel`].
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
@@ -40,4 +40,5 @@ pub use trainer::{
 
 pub use accel_bigmodel as bigmodel;
 pub use accel_dist as dist;
+pub use accel_nn as nn;
 pub use accel_kernels as kernels;

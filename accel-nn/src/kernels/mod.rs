@@ -1,0 +1,1 @@
+//! Fused CPU kernels with hand-written backward passes.

@@ -1,0 +1,1 @@
+//! Layers with candle-nn constructor signatures.
