@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fetches the all-MiniLM-L6-v2 sentence-transformers checkpoint for
-# `cargo run -p accel-bigmodel --example minilm_dispatch`.
+# `cargo run -p accel-nn --example minilm_dispatch`.
 #
 # Usage: scripts/fetch_minilm.sh [DEST]   (DEST defaults to target/minilm)
 #

@@ -37,11 +37,9 @@
 mod bytes;
 pub mod checkpoint;
 mod device_map;
-mod dispatch;
 mod dtype;
 mod empty;
 mod error;
-pub mod hooks;
 mod memory;
 pub mod offload;
 mod ordered_map;
@@ -52,6 +50,7 @@ mod sizes;
 mod tree;
 mod tree_safetensors;
 mod tree_spec;
+mod weights;
 
 pub use bytes::Bytes;
 pub use checkpoint::{
@@ -59,26 +58,14 @@ pub use checkpoint::{
     TensorLocation,
 };
 pub use device_map::{check_device_map, clean_device_map, DeviceMap, Placement};
-pub use dispatch::{
-    dispatch_model, load_checkpoint_and_dispatch, DeviceMapChoice, DispatchOptions, DispatchReport,
-    LoadDispatchOptions,
-};
 pub use dtype::DTypeName;
 pub use empty::{init_empty_weights, placeholder, EmptyTensor, EmptyWeights};
 pub use error::{Error, Result};
-pub use hooks::{
-    add_hook_to_module, apply_layerwise_casting, has_offloaded_params, remove_hook_from_module,
-    AlignDevicesHook, HookedModel, HookedModule, LayerwiseCastingHook, ModelHook, ModuleWeights,
-    SequentialHook,
-};
 pub use memory::{
     convert_file_size_to_int, get_balanced_memory, get_max_memory, parse_max_memory_json,
     MaxMemory, MemorySize,
 };
-pub use offload::{
-    cpu_offload, cpu_offload_with_hook, disk_offload, offload_state_dict, CpuWeights,
-    OffloadedWeightsLoader, UserCpuOffloadHook, WeightSource,
-};
+pub use offload::{offload_state_dict, CpuWeights, OffloadedWeightsLoader, WeightSource};
 pub use planner::{infer_auto_device_map, Plan, PlanOptions};
 pub use safetensors::{
     MmapFile, SafetensorsHeader, WeightIndex, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
@@ -88,3 +75,4 @@ pub use sizes::{
     ModuleSizes, SpecialDtypes,
 };
 pub use tree::{ModuleId, ModuleInfo, ModuleTree, TensorId, TensorInfo, TensorKind, TreeItem};
+pub use weights::{is_placeholder, ModuleWeights, SlotBackend};

@@ -8,7 +8,24 @@ pub enum Error {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 
-    // === big-model mechanisms (weights handles, hooks, offload) ===
+    /// A fused multi-tensor kernel (casts) failed.
+    #[error(transparent)]
+    Kernels(#[from] accel_kernels::Error),
+
+    // === hooks ===
+    /// Two hooks of one block both wrap its computation (e.g. FSDP and
+    /// activation checkpointing, which FSDP already does for its units).
+    #[error("block {block:?}: hook {second} cannot be added after {first}: both wrap the forward")]
+    HookConflict {
+        /// The block.
+        block: String,
+        /// The hook already attached.
+        first: &'static str,
+        /// The hook being added.
+        second: &'static str,
+    },
+
+    // === big-model mechanisms (weights handles, planning, loading, offload) ===
     /// A hook, weights handle or offload operation failed.
     #[error(transparent)]
     BigModel(#[from] accel_bigmodel::Error),

@@ -24,6 +24,14 @@ mod error;
 pub use error::{Error, Result};
 
 pub mod block;
+mod dispatch;
+pub mod hooks;
 mod kernels;
 pub mod layers;
 pub mod ops;
+
+pub use block::{Activations, AnyBlock, Block, BlockForward, Model, Sequential};
+pub use dispatch::{
+    dispatch_model, load_checkpoint_and_dispatch, DeviceMapChoice, DispatchOptions, DispatchReport,
+    LoadDispatchOptions,
+};

@@ -11,5 +11,5 @@ mod source;
 mod test_files;
 
 pub use load::{load_checkpoint_in_model, load_checkpoint_in_varmap, LoadOptions, LoadReport};
-pub(crate) use source::convert;
+pub use source::convert;
 pub use source::{CheckpointSource, TensorLocation};

@@ -165,7 +165,7 @@ fn is_half_or_f32(dtype: DType) -> bool {
 /// Converts a freshly materialised tensor to `dtype`: host f32/bf16/f16 through
 /// accel-kernels' parallel cast (bitwise equal to candle's), everything else
 /// through candle's `to_dtype`.
-pub(crate) fn convert(tensor: Tensor, dtype: DType) -> Result<Tensor> {
+pub fn convert(tensor: Tensor, dtype: DType) -> Result<Tensor> {
     if tensor.dtype() == dtype {
         return Ok(tensor);
     }

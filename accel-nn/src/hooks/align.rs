@@ -4,12 +4,12 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use accel_bigmodel::{is_placeholder, CpuWeights, Error as BigModelError, WeightSource};
 use candle_core::{Device, Tensor};
 
-use super::module::is_placeholder;
 use super::{ModelHook, ModuleWeights};
-use crate::error::{Error, Result};
-use crate::offload::{CpuWeights, WeightSource};
+use crate::block::Activations;
+use crate::Result;
 
 /// Accelerate's `AlignDevicesHook`.
 ///
@@ -105,13 +105,14 @@ impl AlignDevicesHook {
     /// Reads `name` from the weights map onto the execution device, in the dtype of `like`.
     fn materialise(&self, name: &str, like: &Tensor) -> Result<Tensor> {
         let Some(map) = &self.weights_map else {
-            return Err(Error::MissingOffloadedWeight {
+            return Err(BigModelError::MissingOffloadedWeight {
                 name: name.to_string(),
                 source_desc: "AlignDevicesHook without weights_map".to_string(),
-            });
+            }
+            .into());
         };
         let t = map.load(name, &self.execution_device)?;
-        crate::checkpoint::convert(t, like.dtype())
+        Ok(accel_bigmodel::checkpoint::convert(t, like.dtype())?)
     }
 }
 
@@ -145,10 +146,11 @@ impl ModelHook for AlignDevicesHook {
         let map = self.weights_map.as_ref().expect("set above");
         for name in &names {
             if !map.contains(name) {
-                return Err(Error::MissingOffloadedWeight {
+                return Err(BigModelError::MissingOffloadedWeight {
                     name: name.clone(),
                     source_desc: map.describe(),
-                });
+                }
+                .into());
             }
         }
         for name in &names {
@@ -157,7 +159,7 @@ impl ModelHook for AlignDevicesHook {
         Ok(())
     }
 
-    fn pre_forward(&mut self, weights: &ModuleWeights, args: Tensor) -> Result<Tensor> {
+    fn pre_forward(&mut self, weights: &ModuleWeights, args: Activations) -> Result<Activations> {
         if self.io_same_device {
             self.input_device = Some(args.device().clone());
         }

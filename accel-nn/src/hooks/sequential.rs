@@ -1,9 +1,12 @@
 //! [`SequentialHook`]: several hooks run as one (Accelerate's `SequentialHook`).
 
+use std::sync::Arc;
+
 use candle_core::Tensor;
 
 use super::{ModelHook, ModuleWeights};
-use crate::error::Result;
+use crate::block::{Activations, ForwardFn};
+use crate::Result;
 
 /// Runs its hooks in order for every callback: each `pre_forward` gets the
 /// previous one's result, and so does each `post_forward`, in the same order
@@ -29,7 +32,7 @@ impl ModelHook for SequentialHook {
         self.hooks.iter_mut().try_for_each(|h| h.init_hook(weights))
     }
 
-    fn pre_forward(&mut self, weights: &ModuleWeights, args: Tensor) -> Result<Tensor> {
+    fn pre_forward(&mut self, weights: &ModuleWeights, args: Activations) -> Result<Activations> {
         self.hooks
             .iter_mut()
             .try_fold(args, |a, h| h.pre_forward(weights, a))
@@ -45,6 +48,23 @@ impl ModelHook for SequentialHook {
         self.hooks
             .iter_mut()
             .try_for_each(|h| h.detach_hook(weights))
+    }
+
+    fn wraps_forward(&self) -> bool {
+        self.hooks.iter().any(|h| h.wraps_forward())
+    }
+
+    fn run_forward(
+        &mut self,
+        weights: &ModuleWeights,
+        args: Activations,
+        forward: &Arc<ForwardFn>,
+    ) -> Result<Tensor> {
+        // `add_hook_to_module` lets at most one of them wrap.
+        match self.hooks.iter_mut().find(|h| h.wraps_forward()) {
+            Some(h) => h.run_forward(weights, args, forward),
+            None => forward(weights, &args),
+        }
     }
 
     fn offloads(&self) -> bool {

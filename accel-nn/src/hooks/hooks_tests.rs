@@ -4,12 +4,16 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Linear, VarBuilder, VarMap};
 
 use super::*;
-use crate::offload::{cpu_offload, cpu_offload_with_hook, disk_offload, CpuWeights};
+use crate::block::{Activations, Block, Model, Sequential};
+use accel_bigmodel::CpuWeights;
+
+/// A dynamically typed candle module, the block type of these tests.
+pub(crate) type Dyn = Box<dyn Module + Send + Sync>;
 
 /// A linear layer followed by GELU: a real candle layer built from a `VarBuilder`.
-pub(crate) struct Block(Linear);
+pub(crate) struct Layer(Linear);
 
-impl Module for Block {
+impl Module for Layer {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
         self.0.forward(xs)?.gelu()
     }
@@ -19,11 +23,11 @@ pub(crate) fn block(
     i: usize,
     o: usize,
 ) -> impl Fn(VarBuilder) -> candle_core::Result<Box<dyn Module + Send + Sync>> + Send + Sync {
-    move |vb| Ok(Box::new(Block(candle_nn::linear(i, o, vb)?)))
+    move |vb| Ok(Box::new(Layer(candle_nn::linear(i, o, vb)?)))
 }
 
 /// Three blocks on one VarMap, plus the plain candle model over the same Vars.
-pub(crate) fn model() -> (HookedModel, Vec<Block>, VarMap) {
+pub(crate) fn model() -> (Sequential<Dyn>, Vec<Layer>, VarMap) {
     let map = VarMap::new();
     let dev = Device::Cpu;
     let dims = [(8, 16), (16, 16), (16, 4)];
@@ -31,20 +35,19 @@ pub(crate) fn model() -> (HookedModel, Vec<Block>, VarMap) {
         .iter()
         .enumerate()
         .map(|(i, &(a, b))| {
-            HookedModule::from_varmap(&format!("h.{i}"), &map, DType::F32, &dev, block(a, b))
-                .unwrap()
+            Block::from_varmap(&format!("h.{i}"), "", &map, DType::F32, &dev, block(a, b)).unwrap()
         })
         .collect();
     let vb = VarBuilder::from_varmap(&map, DType::F32, &dev);
     let plain = dims
         .iter()
         .enumerate()
-        .map(|(i, &(a, b))| Block(candle_nn::linear(a, b, vb.pp(format!("h.{i}"))).unwrap()))
+        .map(|(i, &(a, b))| Layer(candle_nn::linear(a, b, vb.pp(format!("h.{i}"))).unwrap()))
         .collect();
-    (HookedModel::new(parts), plain, map)
+    (Sequential::new(parts), plain, map)
 }
 
-pub(crate) fn plain_forward(plain: &[Block], x: &Tensor) -> Tensor {
+pub(crate) fn plain_forward(plain: &[Layer], x: &Tensor) -> Tensor {
     plain.iter().fold(x.clone(), |x, b| b.forward(&x).unwrap())
 }
 
@@ -84,9 +87,9 @@ impl ModelHook for Recorder {
         self.log.lock().unwrap().push(format!("{}.init", self.tag));
         Ok(())
     }
-    fn pre_forward(&mut self, _: &ModuleWeights, args: Tensor) -> Result<Tensor> {
+    fn pre_forward(&mut self, _: &ModuleWeights, args: Activations) -> Result<Activations> {
         self.log.lock().unwrap().push(format!("{}.pre", self.tag));
-        Ok((args * 2.0)?)
+        Ok(args.with_hidden((args.hidden.clone() * 2.0)?))
     }
     fn post_forward(&mut self, _: &ModuleWeights, out: Tensor) -> Result<Tensor> {
         self.log.lock().unwrap().push(format!("{}.post", self.tag));
@@ -106,11 +109,11 @@ impl ModelHook for Recorder {
 
 #[test]
 fn hooks_run_in_order_compose_sequentially_and_removal_restores_the_plain_forward() {
-    let (mut model, plain, _map) = model();
+    let (model, plain, _map) = model();
     let log = Arc::new(Mutex::new(Vec::new()));
-    let part = &mut model.parts[0];
+    let part = &model.blocks[0];
     let x = input();
-    let base = part.forward(&x).unwrap();
+    let base = part.forward_hidden(&x).unwrap();
     let rec = |tag| {
         Box::new(Recorder {
             tag,
@@ -119,7 +122,7 @@ fn hooks_run_in_order_compose_sequentially_and_removal_restores_the_plain_forwar
     };
     add_hook_to_module(part, rec("a"), false).unwrap();
     add_hook_to_module(part, rec("b"), true).unwrap();
-    let out = part.forward(&x).unwrap();
+    let out = part.forward_hidden(&x).unwrap();
     // a.pre doubles, b.pre doubles again; a.post adds 1 then b.post adds 1.
     let y = plain[0].forward(&(&x * 4.0).unwrap()).unwrap();
     let expected = ((y + 1.0).unwrap() + 1.0).unwrap();
@@ -127,7 +130,7 @@ fn hooks_run_in_order_compose_sequentially_and_removal_restores_the_plain_forwar
     let removed = remove_hook_from_module(part).unwrap().unwrap();
     assert_eq!(removed.name(), "SequentialHook");
     assert!(!part.has_hook());
-    assert_eq!(bits(&part.forward(&x).unwrap()), bits(&base));
+    assert_eq!(bits(&part.forward_hidden(&x).unwrap()), bits(&base));
     assert_eq!(
         log.lock().unwrap().as_slice(),
         [
@@ -139,11 +142,11 @@ fn hooks_run_in_order_compose_sequentially_and_removal_restores_the_plain_forwar
 
 #[test]
 fn cpu_offload_is_bitwise_the_plain_model_and_keeps_placeholders_between_forwards() {
-    let (mut model, plain, _map) = model();
+    let (model, plain, _map) = model();
     let x = input();
     let expected = plain_forward(&plain, &x);
-    cpu_offload(&mut model, &Device::Cpu, None).unwrap();
-    for part in &model.parts {
+    cpu_offload(&model, &Device::Cpu, None).unwrap();
+    for part in &model.blocks {
         assert!(has_offloaded_params(part));
         for name in part.weights().names() {
             let t = part.weights().tensor(&name).unwrap();
@@ -152,21 +155,21 @@ fn cpu_offload_is_bitwise_the_plain_model_and_keeps_placeholders_between_forward
         assert_eq!(part.weights().resident_bytes(), 0);
     }
     for _ in 0..2 {
-        assert_eq!(bits(&model.forward(&x).unwrap()), bits(&expected));
-        for part in &model.parts {
+        assert_eq!(bits(&model.forward_hidden(&x).unwrap()), bits(&expected));
+        for part in &model.blocks {
             let w = part
                 .weights()
-                .tensor(&format!("{}.weight", part.prefix()))
+                .tensor(&format!("{}.weight", part.name()))
                 .unwrap();
             assert_eq!(storage_len(&w), 1);
         }
     }
     // Detaching brings the real weights back.
-    for part in &mut model.parts {
+    for part in &model.blocks {
         remove_hook_from_module(part).unwrap();
         assert!(!part.weights().has_placeholders());
     }
-    assert_eq!(bits(&model.forward(&x).unwrap()), bits(&expected));
+    assert_eq!(bits(&model.forward_hidden(&x).unwrap()), bits(&expected));
 }
 
 #[test]
@@ -174,22 +177,22 @@ fn align_hook_without_offload_fills_placeholders_from_its_weights_map() {
     let (model, plain, _map) = model();
     let x = input();
     let state = CpuWeights::new(model.named_tensors()).unwrap();
-    let mut empty: Vec<HookedModule> = [(8, 16), (16, 16), (16, 4)]
+    let empty: Vec<Block<Dyn>> = [(8, 16), (16, 16), (16, 4)]
         .iter()
         .enumerate()
         .map(|(i, &(a, b))| {
-            HookedModule::empty(&format!("h.{i}"), DType::F32, &Device::Cpu, block(a, b)).unwrap()
+            Block::empty(&format!("h.{i}"), "", DType::F32, &Device::Cpu, block(a, b)).unwrap()
         })
         .collect();
-    let map: Arc<dyn crate::offload::WeightSource> = Arc::new(state);
-    for part in &mut empty {
+    let map: Arc<dyn accel_bigmodel::WeightSource> = Arc::new(state);
+    for part in &empty {
         assert!(part.weights().has_placeholders());
         let hook = AlignDevicesHook::new(Device::Cpu).with_weights_map(map.clone());
         add_hook_to_module(part, Box::new(hook), false).unwrap();
         assert!(!part.weights().has_placeholders());
         assert!(!has_offloaded_params(part));
     }
-    let out = HookedModel::new(empty).forward(&x).unwrap();
+    let out = Sequential::new(empty).forward_hidden(&x).unwrap();
     assert_eq!(bits(&out), bits(&plain_forward(&plain, &x)));
 }
 
@@ -197,23 +200,23 @@ fn align_hook_without_offload_fills_placeholders_from_its_weights_map() {
 fn place_submodules_false_handles_only_direct_weights() {
     let map = VarMap::new();
     let build = |vb: VarBuilder| -> candle_core::Result<Box<dyn Module + Send + Sync>> {
-        Ok(Box::new(Block(candle_nn::linear(4, 4, vb.pp("inner"))?)))
+        Ok(Box::new(Layer(candle_nn::linear(4, 4, vb.pp("inner"))?)))
     };
-    let mut part = HookedModule::from_varmap("m", &map, DType::F32, &Device::Cpu, build).unwrap();
+    let part = Block::from_varmap("m", "", &map, DType::F32, &Device::Cpu, build).unwrap();
     let hook = AlignDevicesHook::new(Device::Cpu)
         .with_offload(true)
         .with_place_submodules(false);
-    add_hook_to_module(&mut part, Box::new(hook), false).unwrap();
+    add_hook_to_module(&part, Box::new(hook), false).unwrap();
     assert!(!part.weights().has_placeholders());
 }
 
 #[test]
 fn layerwise_casting_equals_a_manual_cast_then_forward() {
     for storage in [DType::BF16, DType::F16, DType::F8E4M3] {
-        let (mut model, plain, _map) = model();
+        let (model, plain, _map) = model();
         let x = input();
         // Manual: round every weight through the storage dtype, forward in f32.
-        let rounded: Vec<Block> = plain
+        let rounded: Vec<Layer> = plain
             .iter()
             .map(|b| {
                 let w =
@@ -229,22 +232,22 @@ fn layerwise_casting_equals_a_manual_cast_then_forward() {
                         .unwrap()
                         .to_dtype(DType::F32)
                         .unwrap();
-                Block(Linear::new(w, Some(bias)))
+                Layer(Linear::new(w, Some(bias)))
             })
             .collect();
         let expected = plain_forward(&rounded, &x);
-        for part in &mut model.parts {
+        for part in &model.blocks {
             apply_layerwise_casting(part, storage, DType::F32).unwrap();
             for (_, t) in part.weights().tensors() {
                 assert_eq!(t.dtype(), storage);
             }
         }
         assert_eq!(
-            bits(&model.forward(&x).unwrap()),
+            bits(&model.forward_hidden(&x).unwrap()),
             bits(&expected),
             "{storage:?}"
         );
-        for part in &model.parts {
+        for part in &model.blocks {
             assert!(part
                 .weights()
                 .tensors()
@@ -256,9 +259,9 @@ fn layerwise_casting_equals_a_manual_cast_then_forward() {
 
 #[test]
 fn layerwise_casting_composes_with_cpu_offload() {
-    let (mut model, plain, _map) = model();
+    let (model, plain, _map) = model();
     let x = input();
-    let rounded: Vec<Block> = plain
+    let rounded: Vec<Layer> = plain
         .iter()
         .map(|b| {
             let r = |t: &Tensor| {
@@ -267,16 +270,16 @@ fn layerwise_casting_composes_with_cpu_offload() {
                     .to_dtype(DType::F32)
                     .unwrap()
             };
-            Block(Linear::new(r(b.0.weight()), b.0.bias().map(r)))
+            Layer(Linear::new(r(b.0.weight()), b.0.bias().map(r)))
         })
         .collect();
-    cpu_offload(&mut model, &Device::Cpu, None).unwrap();
-    for part in &mut model.parts {
+    cpu_offload(&model, &Device::Cpu, None).unwrap();
+    for part in &model.blocks {
         apply_layerwise_casting(part, DType::BF16, DType::F32).unwrap();
     }
-    let out = model.forward(&x).unwrap();
+    let out = model.forward_hidden(&x).unwrap();
     assert_eq!(bits(&out), bits(&plain_forward(&rounded, &x)));
-    for part in &model.parts {
+    for part in &model.blocks {
         assert_eq!(part.weights().resident_bytes(), 0);
         assert!(part
             .weights()
@@ -288,18 +291,18 @@ fn layerwise_casting_composes_with_cpu_offload() {
 
 #[test]
 fn disk_offload_matches_the_plain_model_and_names_a_missing_entry() {
-    let (mut model, plain, _map) = model();
+    let (model, plain, _map) = model();
     let x = input();
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().join("offload");
-    disk_offload(&mut model, &folder, &Device::Cpu).unwrap();
+    disk_offload(&model, &folder, &Device::Cpu).unwrap();
     assert!(folder.join("h.1.weight.dat").is_file());
     assert_eq!(
-        bits(&model.forward(&x).unwrap()),
+        bits(&model.forward_hidden(&x).unwrap()),
         bits(&plain_forward(&plain, &x))
     );
     assert!(model
-        .parts
+        .blocks
         .iter()
         .all(|p| p.weights().resident_bytes() == 0));
 
@@ -309,8 +312,8 @@ fn disk_offload_matches_the_plain_model_and_names_a_missing_entry() {
         serde_json::from_str(&std::fs::read_to_string(&index).unwrap()).unwrap();
     json.as_object_mut().unwrap().remove("h.2.bias");
     std::fs::write(&index, json.to_string()).unwrap();
-    let (mut again, _, _) = self::model();
-    let err = disk_offload(&mut again, &folder, &Device::Cpu)
+    let (again, _, _) = self::model();
+    let err = disk_offload(&again, &folder, &Device::Cpu)
         .unwrap_err()
         .to_string();
     assert!(err.contains("no offloaded weight `h.2.bias`"), "{err}");
@@ -319,16 +322,16 @@ fn disk_offload_matches_the_plain_model_and_names_a_missing_entry() {
 
 #[test]
 fn cpu_offload_with_hook_evicts_the_previous_model_on_first_forward() {
-    let (mut a, plain_a, _ma) = model();
-    let (mut b, _plain_b, _mb) = model();
+    let (a, plain_a, _ma) = model();
+    let (b, _plain_b, _mb) = model();
     let x = input();
-    let ha = cpu_offload_with_hook(&mut a, &Device::Cpu, None).unwrap();
-    let hb = cpu_offload_with_hook(&mut b, &Device::Cpu, Some(&ha)).unwrap();
+    let ha = cpu_offload_with_hook(&a, &Device::Cpu, None).unwrap();
+    let hb = cpu_offload_with_hook(&b, &Device::Cpu, Some(&ha)).unwrap();
     assert_eq!(
-        bits(&a.forward(&x).unwrap()),
+        bits(&a.forward_hidden(&x).unwrap()),
         bits(&plain_forward(&plain_a, &x))
     );
-    b.forward(&x).unwrap();
+    b.forward_hidden(&x).unwrap();
     // On a CPU-only host the execution device is the CPU, so both report offloaded;
     // what is checked here is that the calls run and outputs are unchanged.
     assert!(ha.is_offloaded() && hb.is_offloaded());
@@ -338,7 +341,7 @@ fn cpu_offload_with_hook_evicts_the_previous_model_on_first_forward() {
 #[test]
 fn set_refuses_a_wrong_shape_and_an_unknown_name() {
     let (model, _, _) = model();
-    let w = model.parts[0].weights();
+    let w = model.blocks[0].weights();
     let err = w.set(
         "h.0.weight",
         Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap(),

@@ -10,10 +10,12 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use accel_bigmodel::{
-    load_checkpoint_and_dispatch, DeviceMapChoice, HookedModel, HookedModule, LoadDispatchOptions,
-    Placement, PlanOptions,
+use accel_nn::{
+    load_checkpoint_and_dispatch, Block, DeviceMapChoice, LoadDispatchOptions, Sequential,
 };
+
+type Dyn = Box<dyn Module + Send + Sync>;
+use accel_bigmodel::{Placement, PlanOptions};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder};
@@ -135,7 +137,7 @@ fn generate(dir: &Path, cfg: Config) -> Result<()> {
 }
 
 /// Pre-norm block: causal self-attention (one head) and a GELU MLP, with residuals.
-struct Block {
+struct Layer {
     ln1: LayerNorm,
     qkv: Linear,
     o: Linear,
@@ -144,7 +146,7 @@ struct Block {
     fc2: Linear,
 }
 
-impl Module for Block {
+impl Module for Layer {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let d = x.dim(D::Minus1)?;
         let qkv = self.qkv.forward(&self.ln1.forward(x)?)?;
@@ -177,11 +179,12 @@ impl Module for Block {
 type Built = candle_core::Result<Box<dyn Module + Send + Sync>>;
 
 /// The decoder, built empty: one hooked part per block, plus embedding and head.
-fn empty_model(cfg: Config) -> Result<HookedModel> {
+fn empty_model(cfg: Config) -> Result<Sequential<Dyn>> {
     let (v, d) = (cfg.vocab, cfg.hidden);
     let (dt, dev) = (DType::F32, Device::Cpu);
-    let mut parts = vec![HookedModule::empty(
+    let mut parts = vec![Block::empty(
         "model.embed",
+        "",
         dt,
         &dev,
         move |vb| -> Built { Ok(Box::new(Embedding::new(vb.get((v, d), "weight")?, d))) },
@@ -189,7 +192,7 @@ fn empty_model(cfg: Config) -> Result<HookedModel> {
     for i in 0..BLOCKS {
         let build = move |vb: VarBuilder| -> Built {
             let lin = |i, o, n| candle_nn::linear_no_bias(i, o, vb.pp(n));
-            Ok(Box::new(Block {
+            Ok(Box::new(Layer {
                 ln1: candle_nn::layer_norm(d, 1e-5, vb.pp("ln1"))?,
                 qkv: lin(d, 3 * d, "qkv")?,
                 o: lin(d, d, "o")?,
@@ -198,22 +201,25 @@ fn empty_model(cfg: Config) -> Result<HookedModel> {
                 fc2: lin(4 * d, d, "fc2")?,
             }))
         };
-        let part = HookedModule::empty(&format!("model.layers.{i}"), dt, &dev, build)?;
-        parts.push(part.with_class_name("Block"));
+        parts.push(Block::empty(
+            &format!("model.layers.{i}"),
+            "Block",
+            dt,
+            &dev,
+            build,
+        )?);
     }
-    parts.push(HookedModule::empty(
+    parts.push(Block::empty(
         "model.norm",
+        "",
         dt,
         &dev,
         move |vb| -> Built { Ok(Box::new(candle_nn::layer_norm(d, 1e-5, vb)?)) },
     )?);
-    parts.push(HookedModule::empty(
-        "lm_head",
-        dt,
-        &dev,
-        move |vb| -> Built { Ok(Box::new(candle_nn::linear_no_bias(d, v, vb)?)) },
-    )?);
-    Ok(HookedModel::new(parts))
+    parts.push(Block::empty("lm_head", "", dt, &dev, move |vb| -> Built {
+        Ok(Box::new(candle_nn::linear_no_bias(d, v, vb)?))
+    })?);
+    Ok(Sequential::new(parts))
 }
 
 fn vm_hwm_bytes() -> Result<u64> {
@@ -259,7 +265,7 @@ fn main() -> Result<()> {
     let weights_limit = budget - budget / 10;
 
     let start = Instant::now();
-    let mut model = empty_model(cfg)?;
+    let model = empty_model(cfg)?;
     let plan = PlanOptions::new(vec![(Placement::Cpu, weights_limit.into())])
         .with_no_split_module_classes(["Block"]);
     let opts = LoadDispatchOptions {
@@ -268,12 +274,12 @@ fn main() -> Result<()> {
         offload_folder: None,
         main_device: None,
     };
-    let report = load_checkpoint_and_dispatch(&mut model, &dir, &opts)?;
+    let report = load_checkpoint_and_dispatch(&model, &dir, &opts)?;
     let load_s = start.elapsed().as_secs_f64();
 
     let ids = Tensor::new(&[[1u32, 5, 9, 42, 7, 3, 11, 2]], &Device::Cpu)?;
     let start = Instant::now();
-    let logits = model.forward(&ids)?;
+    let logits = model.forward_hidden(&ids)?;
     let forward_s = start.elapsed().as_secs_f64();
     let checksum = logits.sum_all()?.to_scalar::<f32>()?;
     let hwm = vm_hwm_bytes()?;

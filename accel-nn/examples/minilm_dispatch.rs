@@ -19,10 +19,13 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use accel_bigmodel::{
-    dispatch_model, load_checkpoint_and_dispatch, CheckpointSource, DeviceMap, DeviceMapChoice,
-    DispatchOptions, HookedModel, HookedModule, LoadDispatchOptions, Placement,
+use accel_nn::{
+    dispatch_model, load_checkpoint_and_dispatch, Block, DeviceMapChoice, DispatchOptions,
+    LoadDispatchOptions, Sequential,
 };
+
+type Dyn = Box<dyn Module + Send + Sync>;
+use accel_bigmodel::{CheckpointSource, DeviceMap, Placement};
 use anyhow::{bail, ensure, Context, Result};
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 use candle_nn::{Embedding, LayerNorm, Linear, VarBuilder};
@@ -132,7 +135,7 @@ impl WordPiece {
 /// The batch as one `u32` tensor `(batch, 2, seq)`: row 0 the token ids
 /// (padded with `[PAD]` = 0), row 1 the attention mask.
 ///
-/// [`HookedModel::forward`] passes one tensor from part to part, so the mask
+/// [`Sequential::forward`] passes one tensor from part to part, so the mask
 /// travels with the data: packed next to the ids here, then as an extra last
 /// channel of the hidden states (see [`Embeddings`]).
 fn batch(tok: &WordPiece) -> Result<Tensor> {
@@ -270,20 +273,20 @@ fn part_names(cfg: BertConfig, prefix: &str) -> Vec<String> {
 }
 
 /// The encoder as hooked parts with placeholder weights, ready to be dispatched.
-fn empty_model(cfg: BertConfig, prefix: &str) -> Result<HookedModel> {
+fn empty_model(cfg: BertConfig, prefix: &str) -> Result<Sequential<Dyn>> {
     let (dt, dev) = (DType::F32, Device::Cpu);
     let names = part_names(cfg, prefix);
-    let mut parts = vec![HookedModule::empty(
+    let mut parts = vec![Block::empty(
         &names[0],
+        "",
         dt,
         &dev,
         build_embeddings(cfg),
     )?];
     for name in &names[1..] {
-        let part = HookedModule::empty(name, dt, &dev, build_layer(cfg))?;
-        parts.push(part.with_class_name("BertLayer"));
+        parts.push(Block::empty(name, "BertLayer", dt, &dev, build_layer(cfg))?);
     }
-    Ok(HookedModel::new(parts))
+    Ok(Sequential::new(parts))
 }
 
 /// sentence-transformers' pooling for this model: the mean of the token
@@ -391,14 +394,14 @@ fn main() -> Result<()> {
     let offload = tempfile::tempdir()?;
     let map = device_map(cfg, &prefix);
     let start = Instant::now();
-    let mut model = empty_model(cfg, &prefix)?;
+    let model = empty_model(cfg, &prefix)?;
     let opts = LoadDispatchOptions {
         device_map: DeviceMapChoice::Map(map.clone()),
         dtype: None,
         offload_folder: Some(offload.path().to_path_buf()),
         main_device: None,
     };
-    let report = load_checkpoint_and_dispatch(&mut model, &checkpoint, &opts)?;
+    let report = load_checkpoint_and_dispatch(&model, &checkpoint, &opts)?;
     let load_s = start.elapsed().as_secs_f64();
     let disk_parts = report.count(Placement::Disk);
     ensure!(
@@ -406,11 +409,11 @@ fn main() -> Result<()> {
         "{disk_parts} parts on disk"
     );
     let start = Instant::now();
-    let dispatched = pool(&model.forward(&input)?)?;
+    let dispatched = pool(&model.forward_hidden(&input)?)?;
     let forward_s = start.elapsed().as_secs_f64();
     // The disk parts must be placeholders again after the forward.
     let resident: Vec<usize> = model
-        .parts
+        .blocks
         .iter()
         .map(|p| p.weights().resident_bytes())
         .collect();
@@ -419,9 +422,9 @@ fn main() -> Result<()> {
     // (c) dispatch_model over a loaded model with no weights map: the disk
     // layers are written to the offload folder and read back per forward.
     let folder = tempfile::tempdir()?;
-    let mut model = empty_model(cfg, &prefix)?;
+    let model = empty_model(cfg, &prefix)?;
     let source = CheckpointSource::open(&checkpoint)?;
-    for part in &model.parts {
+    for part in &model.blocks {
         for name in part.weights().names() {
             part.weights()
                 .set(&name, source.tensor(&name, &Device::Cpu, None)?)?;
@@ -433,9 +436,9 @@ fn main() -> Result<()> {
         offload_dir: Some(folder.path().to_path_buf()),
         weights_map: None,
     };
-    dispatch_model(&mut model, &map, &dispatch)?;
+    dispatch_model(&model, &map, &dispatch)?;
     let folder_files = std::fs::read_dir(folder.path())?.count();
-    let from_folder = pool(&model.forward(&input)?)?;
+    let from_folder = pool(&model.forward_hidden(&input)?)?;
 
     let diff = max_abs_diff(&reference, &dispatched)?;
     let diff_folder = max_abs_diff(&reference, &from_folder)?;

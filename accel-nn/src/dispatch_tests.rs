@@ -3,14 +3,15 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::*;
-use crate::hooks::tests::{bits, block, input, model, plain_forward};
+use crate::block::{Block, Model, Sequential};
+use crate::hooks::tests::{bits, block, input, model, plain_forward, Dyn};
 
-fn empty_model() -> HookedModel {
+fn empty_model() -> Sequential<Dyn> {
     let dims = [(8, 16), (16, 16), (16, 4)];
     let parts = dims.iter().enumerate().map(|(i, &(a, b))| {
-        HookedModule::empty(&format!("h.{i}"), DType::F32, &Device::Cpu, block(a, b)).unwrap()
+        Block::empty(&format!("h.{i}"), "", DType::F32, &Device::Cpu, block(a, b)).unwrap()
     });
-    HookedModel::new(parts.collect())
+    Sequential::new(parts.collect())
 }
 
 fn map(entries: &[(&str, Placement)]) -> DeviceMap {
@@ -35,7 +36,7 @@ fn checkpoint() -> (tempfile::TempDir, std::path::PathBuf, Tensor) {
 #[test]
 fn a_device_map_mixing_cpu_and_disk_gives_the_plain_models_output() {
     let (_dir, ckpt, expected) = checkpoint();
-    let mut model = empty_model();
+    let model = empty_model();
     let m = map(&[
         ("h.0", Placement::Cpu),
         ("h.1", Placement::Disk),
@@ -47,27 +48,30 @@ fn a_device_map_mixing_cpu_and_disk_gives_the_plain_models_output() {
         offload_folder: None,
         main_device: None,
     };
-    let report = load_checkpoint_and_dispatch(&mut model, &ckpt, &opts).unwrap();
+    let report = load_checkpoint_and_dispatch(&model, &ckpt, &opts).unwrap();
     assert_eq!(
         (report.count(Placement::Cpu), report.count(Placement::Disk)),
         (1, 2)
     );
-    assert!(model.parts[0].weights().resident_bytes() > 0);
-    assert_eq!(model.parts[1].weights().resident_bytes(), 0);
-    assert_eq!(bits(&model.forward(&input()).unwrap()), bits(&expected));
-    assert_eq!(model.parts[2].weights().resident_bytes(), 0);
+    assert!(model.blocks[0].weights().resident_bytes() > 0);
+    assert_eq!(model.blocks[1].weights().resident_bytes(), 0);
+    assert_eq!(
+        bits(&model.forward_hidden(&input()).unwrap()),
+        bits(&expected)
+    );
+    assert_eq!(model.blocks[2].weights().resident_bytes(), 0);
 }
 
 #[test]
 fn dispatch_model_writes_disk_parts_to_the_offload_folder() {
-    let (mut model, plain, _map) = model();
+    let (model, plain, _map) = model();
     let dir = tempfile::tempdir().unwrap();
     let m = map(&[
         ("h.0", Placement::Disk),
         ("h.1", Placement::Cpu),
         ("h.2", Placement::Cpu),
     ]);
-    let err = dispatch_model(&mut model, &m, &DispatchOptions::default()).unwrap_err();
+    let err = dispatch_model(&model, &m, &DispatchOptions::default()).unwrap_err();
     assert_eq!(
         err.to_string(),
         "module \"h.0\" is placed on disk but no offload folder (or weights map) was given"
@@ -76,11 +80,11 @@ fn dispatch_model_writes_disk_parts_to_the_offload_folder() {
         offload_dir: Some(dir.path().to_path_buf()),
         ..Default::default()
     };
-    dispatch_model(&mut model, &m, &opts).unwrap();
+    dispatch_model(&model, &m, &opts).unwrap();
     assert!(dir.path().join("h.0.weight.dat").is_file());
     assert!(!dir.path().join("h.1.weight.dat").exists());
     assert_eq!(
-        bits(&model.forward(&input()).unwrap()),
+        bits(&model.forward_hidden(&input()).unwrap()),
         bits(&plain_forward(&plain, &input()))
     );
 }
@@ -88,7 +92,7 @@ fn dispatch_model_writes_disk_parts_to_the_offload_folder() {
 #[test]
 fn auto_planning_with_a_small_cpu_budget_sends_the_rest_to_disk() {
     let (_dir, ckpt, expected) = checkpoint();
-    let mut model = empty_model();
+    let model = empty_model();
     let plan = PlanOptions::new(vec![(Placement::Cpu, "1KB".into())]);
     let opts = LoadDispatchOptions {
         device_map: DeviceMapChoice::Auto(plan),
@@ -96,22 +100,25 @@ fn auto_planning_with_a_small_cpu_budget_sends_the_rest_to_disk() {
         offload_folder: None,
         main_device: None,
     };
-    let report = load_checkpoint_and_dispatch(&mut model, &ckpt, &opts).unwrap();
+    let report = load_checkpoint_and_dispatch(&model, &ckpt, &opts).unwrap();
     assert!(report.count(Placement::Disk) >= 1, "{report:?}");
-    assert_eq!(bits(&model.forward(&input()).unwrap()), bits(&expected));
+    assert_eq!(
+        bits(&model.forward_hidden(&input()).unwrap()),
+        bits(&expected)
+    );
 }
 
 #[test]
 fn bad_maps_and_devices_are_named() {
-    let (mut model, _, _) = model();
+    let (model, _, _) = model();
     let m = map(&[("h.0", Placement::Cpu), ("h.7", Placement::Cpu)]);
-    let err = dispatch_model(&mut model, &m, &DispatchOptions::default()).unwrap_err();
+    let err = dispatch_model(&model, &m, &DispatchOptions::default()).unwrap_err();
     assert_eq!(
         err.to_string(),
         "device map: module \"h.7\": no module or weight of the model has this name"
     );
     let m = map(&[("h.0", Placement::Cpu), ("h.1", Placement::Cpu)]);
-    let err = dispatch_model(&mut model, &m, &DispatchOptions::default()).unwrap_err();
+    let err = dispatch_model(&model, &m, &DispatchOptions::default()).unwrap_err();
     assert_eq!(
         err.to_string(),
         "device map: module \"h.2\": the device map gives this model part no device"
@@ -122,7 +129,7 @@ fn bad_maps_and_devices_are_named() {
         ("h.1", Placement::Cpu),
         ("h.2", Placement::Cpu),
     ]);
-    let err = dispatch_model(&mut model, &m, &DispatchOptions::default()).unwrap_err();
+    let err = dispatch_model(&model, &m, &DispatchOptions::default()).unwrap_err();
     assert!(
         err.to_string()
             .starts_with("device map: module \"h.0\": the device map splits"),
@@ -134,7 +141,7 @@ fn bad_maps_and_devices_are_named() {
             ("h.1", Placement::Cpu),
             ("h.2", Placement::Cpu),
         ]);
-        let err = dispatch_model(&mut model, &m, &DispatchOptions::default()).unwrap_err();
+        let err = dispatch_model(&model, &m, &DispatchOptions::default()).unwrap_err();
         assert!(
             err.to_string()
                 .starts_with("module \"h.0\": cannot execute on cuda:0: "),
@@ -142,7 +149,7 @@ fn bad_maps_and_devices_are_named() {
         );
     }
     // Nothing was attached by the failed calls.
-    assert!(model.parts.iter().all(|p| !p.has_hook()));
+    assert!(model.blocks.iter().all(|p| !p.has_hook()));
 }
 
 #[test]
@@ -150,15 +157,15 @@ fn a_checkpoint_missing_a_weight_is_refused_before_loading() {
     let (_dir, ckpt, _) = checkpoint();
     let mut model = empty_model();
     model
-        .parts
-        .push(HookedModule::empty("h.3", DType::F32, &Device::Cpu, block(4, 4)).unwrap());
+        .blocks
+        .push(Block::empty("h.3", "", DType::F32, &Device::Cpu, block(4, 4)).unwrap());
     let opts = LoadDispatchOptions {
         device_map: DeviceMapChoice::Map(map(&[("", Placement::Cpu)])),
         dtype: None,
         offload_folder: None,
         main_device: None,
     };
-    let err = load_checkpoint_and_dispatch(&mut model, &ckpt, &opts).unwrap_err();
+    let err = load_checkpoint_and_dispatch(&model, &ckpt, &opts).unwrap_err();
     assert_eq!(
         err.to_string(),
         format!(
@@ -166,5 +173,5 @@ fn a_checkpoint_missing_a_weight_is_refused_before_loading() {
             ckpt.display()
         )
     );
-    assert!(model.parts[0].weights().has_placeholders());
+    assert!(model.blocks[0].weights().has_placeholders());
 }

@@ -1,4 +1,4 @@
-//! Placing a hooked model by a device map (Accelerate's `dispatch_model` and
+//! Placing a model's blocks by a device map (Accelerate's `dispatch_model` and
 //! `load_checkpoint_and_dispatch`).
 
 use std::path::{Path, PathBuf};
@@ -6,14 +6,15 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
-use crate::checkpoint::CheckpointSource;
-use crate::device_map::{DeviceMap, Placement};
-use crate::error::{Error, Result};
-use crate::hooks::{add_hook_to_module, AlignDevicesHook, HookedModel, HookedModule};
-use crate::offload::{
-    offload_state_dict, OffloadedWeightsLoader, WeightSource, OFFLOAD_INDEX_NAME,
+use accel_bigmodel::offload::OFFLOAD_INDEX_NAME;
+use accel_bigmodel::{
+    infer_auto_device_map, is_placeholder, offload_state_dict, CheckpointSource, DeviceMap,
+    Error as BmError, OffloadedWeightsLoader, Placement, PlanOptions, WeightSource,
 };
-use crate::planner::{infer_auto_device_map, PlanOptions};
+
+use crate::block::{AnyBlock, Model};
+use crate::hooks::{add_hook_to_module, AlignDevicesHook};
+use crate::Result;
 
 /// The optional arguments of [`dispatch_model`].
 #[derive(Clone, Default)]
@@ -49,21 +50,22 @@ fn covers(key: &str, name: &str) -> bool {
 
 /// The placement of each part, checking that every key names something of the
 /// model and that no part is split across devices.
-fn part_placements(model: &HookedModel, map: &DeviceMap) -> Result<Vec<(String, Placement)>> {
+fn part_placements(model: &dyn Model, map: &DeviceMap) -> Result<Vec<(String, Placement)>> {
     let vars = model.named_tensors();
     for key in map.keys() {
         let known = vars.iter().any(|(n, _)| covers(key, n))
-            || model.parts.iter().any(|p| p.prefix() == key);
+            || model.blocks().iter().any(|p| p.name() == key);
         if !known {
-            return Err(Error::InvalidDeviceMap {
+            return Err(BmError::InvalidDeviceMap {
                 module: key.to_string(),
                 reason: "no module or weight of the model has this name".to_string(),
-            });
+            }
+            .into());
         }
     }
     let mut out = Vec::new();
-    for part in &model.parts {
-        let prefix = part.prefix();
+    for part in model.blocks() {
+        let prefix = part.name();
         let mut found: Vec<Placement> = map.placement_of(&prefix).into_iter().collect();
         let inner = map
             .iter()
@@ -73,16 +75,16 @@ fn part_placements(model: &HookedModel, map: &DeviceMap) -> Result<Vec<(String, 
         match found.as_slice() {
             [p] => out.push((prefix, *p)),
             [] => {
-                return Err(Error::InvalidDeviceMap {
+                return Err(BmError::InvalidDeviceMap {
                     module: prefix,
                     reason: "the device map gives this model part no device".to_string(),
-                })
+                }.into())
             }
             many => {
-                return Err(Error::InvalidDeviceMap {
+                return Err(BmError::InvalidDeviceMap {
                     module: prefix,
                     reason: format!("the device map splits this model part across {many:?}; hooks place whole parts"),
-                })
+                }.into())
             }
         }
     }
@@ -90,8 +92,8 @@ fn part_placements(model: &HookedModel, map: &DeviceMap) -> Result<Vec<(String, 
 }
 
 /// candle's device for a GPU ordinal, or an error naming the module placed there.
-fn cuda_device(module: &str, ordinal: usize) -> Result<Device> {
-    Device::new_cuda(ordinal).map_err(|e| Error::DeviceUnavailable {
+fn cuda_device(module: &str, ordinal: usize) -> accel_bigmodel::Result<Device> {
+    Device::new_cuda(ordinal).map_err(|e| BmError::DeviceUnavailable {
         module: module.to_string(),
         device: format!("cuda:{ordinal}"),
         reason: e.to_string(),
@@ -110,13 +112,13 @@ fn cuda_device(module: &str, ordinal: usize) -> Result<Device> {
 /// from the part's current weights unless its index already lists them.
 ///
 /// # Errors
-/// [`Error::InvalidDeviceMap`] naming a key that matches nothing, a part
+/// [`accel_bigmodel::Error::InvalidDeviceMap`] naming a key that matches nothing, a part
 /// without device or a part split across devices;
-/// [`Error::DeviceUnavailable`] for a GPU without CUDA support;
-/// [`Error::MissingOffloadFolder`]; [`Error::MissingOffloadedWeight`] naming
+/// [`accel_bigmodel::Error::DeviceUnavailable`] for a GPU without CUDA support;
+/// [`accel_bigmodel::Error::MissingOffloadFolder`]; [`accel_bigmodel::Error::MissingOffloadedWeight`] naming
 /// a tensor neither the map nor the folder holds.
 pub fn dispatch_model(
-    model: &mut HookedModel,
+    model: &dyn Model,
     device_map: &DeviceMap,
     opts: &DispatchOptions,
 ) -> Result<DispatchReport> {
@@ -130,7 +132,7 @@ pub fn dispatch_model(
     };
     // Resolve every device before attaching anything, so a bad map changes nothing.
     let mut hooks = Vec::new();
-    for (part, (name, placement)) in model.parts.iter().zip(&placements) {
+    for (part, (name, placement)) in model.blocks().into_iter().zip(&placements) {
         let hook = match placement {
             Placement::Gpu(i) => AlignDevicesHook::new(cuda_device(name, *i)?),
             Placement::Cpu => AlignDevicesHook::new(main.clone()).with_offload(!main.is_cpu()),
@@ -144,7 +146,7 @@ pub fn dispatch_model(
         };
         hooks.push(hook);
     }
-    for (part, hook) in model.parts.iter_mut().zip(hooks) {
+    for (part, hook) in model.blocks().into_iter().zip(hooks) {
         add_hook_to_module(part, Box::new(hook), false)?;
     }
     Ok(DispatchReport { placements })
@@ -152,7 +154,7 @@ pub fn dispatch_model(
 
 /// The weights map of a disk-placed part: the given map when it holds every
 /// weight, else the offload folder (written now if it lacks them).
-fn disk_map(part: &HookedModule, opts: &DispatchOptions) -> Result<Arc<dyn WeightSource>> {
+fn disk_map(part: &dyn AnyBlock, opts: &DispatchOptions) -> Result<Arc<dyn WeightSource>> {
     let names = part.weights().names();
     if let Some(map) = &opts.weights_map {
         if names.iter().all(|n| map.contains(n)) {
@@ -160,9 +162,10 @@ fn disk_map(part: &HookedModule, opts: &DispatchOptions) -> Result<Arc<dyn Weigh
         }
     }
     let Some(dir) = &opts.offload_dir else {
-        return Err(Error::MissingOffloadFolder {
-            module: part.prefix(),
-        });
+        return Err(BmError::MissingOffloadFolder {
+            module: part.name(),
+        }
+        .into());
     };
     let existing = match dir.join(OFFLOAD_INDEX_NAME).is_file() {
         true => Some(OffloadedWeightsLoader::open(dir)?),
@@ -173,14 +176,12 @@ fn disk_map(part: &HookedModule, opts: &DispatchOptions) -> Result<Arc<dyn Weigh
         .iter()
         .filter(|(n, _)| !existing.as_ref().is_some_and(|l| l.contains(n)))
         .collect();
-    if let Some((name, _)) = missing
-        .iter()
-        .find(|(_, t)| crate::hooks::is_placeholder(t))
-    {
-        return Err(Error::MissingOffloadedWeight {
+    if let Some((name, _)) = missing.iter().find(|(_, t)| is_placeholder(t)) {
+        return Err(BmError::MissingOffloadedWeight {
             name: name.clone(),
             source_desc: dir.display().to_string(),
-        });
+        }
+        .into());
     }
     offload_state_dict(dir, missing.iter().map(|(n, t)| (n.as_str(), t)))?;
     Ok(Arc::new(OffloadedWeightsLoader::open(dir)?))
@@ -218,27 +219,28 @@ pub struct LoadDispatchOptions {
 ///
 /// # Errors
 /// Those of [`CheckpointSource::open`], [`infer_auto_device_map`] and
-/// [`dispatch_model`]; [`Error::MissingTensor`] / [`Error::ShapeMismatch`]
+/// [`dispatch_model`]; [`accel_bigmodel::Error::MissingTensor`] / [`accel_bigmodel::Error::ShapeMismatch`]
 /// naming a model weight the checkpoint lacks or holds in another shape.
 pub fn load_checkpoint_and_dispatch(
-    model: &mut HookedModel,
+    model: &dyn Model,
     checkpoint: impl AsRef<Path>,
     opts: &LoadDispatchOptions,
 ) -> Result<DispatchReport> {
     let source = CheckpointSource::open(checkpoint.as_ref())?;
     let vars = model.named_tensors();
     for (name, var) in &vars {
-        let at = source.locate(name).ok_or_else(|| Error::MissingTensor {
+        let at = source.locate(name).ok_or_else(|| BmError::MissingTensor {
             name: name.clone(),
             checkpoint: source.checkpoint().to_path_buf(),
         })?;
         if at.shape() != var.dims() {
-            return Err(Error::ShapeMismatch {
+            return Err(BmError::ShapeMismatch {
                 path: at.file.to_path_buf(),
                 tensor: name.clone(),
                 expected: var.dims().to_vec(),
                 got: at.shape().to_vec(),
-            });
+            }
+            .into());
         }
     }
     let device_map = match &opts.device_map {
@@ -254,7 +256,7 @@ pub fn load_checkpoint_and_dispatch(
         &source, names, None,
     )?);
     drop(source);
-    for (part, (name, placement)) in model.parts.iter().zip(&placements) {
+    for (part, (name, placement)) in model.blocks().into_iter().zip(&placements) {
         let device = match placement {
             Placement::Gpu(i) => cuda_device(name, *i)?,
             _ => Device::Cpu,
@@ -266,8 +268,8 @@ pub fn load_checkpoint_and_dispatch(
                 .filter(|_| t.dtype().is_float())
                 .unwrap_or(t.dtype());
             let value = match placement {
-                Placement::Disk => crate::empty::placeholder(t.shape().clone(), dtype, &device)?,
-                _ => crate::checkpoint::convert(loader.load(&n, &device)?, dtype)?,
+                Placement::Disk => accel_bigmodel::placeholder(t.shape().clone(), dtype, &device)?,
+                _ => accel_bigmodel::checkpoint::convert(loader.load(&n, &device)?, dtype)?,
             };
             weights.set(&n, value)?;
         }

@@ -4,9 +4,11 @@
 
 use candle_core::{DType, Tensor};
 
-use super::module::is_placeholder;
-use super::{add_hook_to_module, HookedModule, ModelHook, ModuleWeights};
-use crate::error::Result;
+use accel_bigmodel::is_placeholder;
+
+use super::{add_hook_to_module, ModelHook, ModuleWeights};
+use crate::block::{Activations, AnyBlock};
+use crate::Result;
 
 /// Stores the module's floating-point weights as `storage_dtype` (bf16, f16,
 /// f8e4m3) and runs the forward with them cast to `compute_dtype`.
@@ -62,7 +64,7 @@ fn cast_weights(weights: &ModuleWeights, dtype: DType) -> Result<()> {
     }
     for (name, t) in other {
         let t = if is_placeholder(t) {
-            crate::empty::placeholder(t.shape().clone(), dtype, t.device())?
+            accel_bigmodel::placeholder(t.shape().clone(), dtype, t.device())?
         } else {
             t.to_dtype(dtype)?
         };
@@ -76,7 +78,7 @@ impl ModelHook for LayerwiseCastingHook {
         cast_weights(weights, self.storage_dtype)
     }
 
-    fn pre_forward(&mut self, weights: &ModuleWeights, args: Tensor) -> Result<Tensor> {
+    fn pre_forward(&mut self, weights: &ModuleWeights, args: Activations) -> Result<Activations> {
         self.stash = weights.tensors();
         cast_weights(weights, self.compute_dtype)?;
         Ok(args)
@@ -110,7 +112,7 @@ impl ModelHook for LayerwiseCastingHook {
 /// # Errors
 /// Those of [`add_hook_to_module`].
 pub fn apply_layerwise_casting(
-    module: &mut HookedModule,
+    module: &dyn AnyBlock,
     storage_dtype: DType,
     compute_dtype: DType,
 ) -> Result<()> {

@@ -1,40 +1,31 @@
-//! Forward hooks for candle modules: Accelerate's `hooks.py` (`ModelHook`,
-//! `SequentialHook`, `AlignDevicesHook`, `add_hook_to_module`) and layerwise casting.
+//! Hooks run around a [`Block`](crate::block::Block)'s forward: Accelerate's
+//! `hooks.py` (`ModelHook`, `SequentialHook`, `AlignDevicesHook`,
+//! `add_hook_to_module`), layerwise casting and CPU/disk offload.
 //!
-//! # Why a hooked module instead of hooks on candle layers
-//! candle has no module system with forward hooks, and its layers capture
-//! their weight `Tensor`s when built: a `candle_nn::Linear` holds the tensor it
-//! was given forever. Two ways around that were considered:
-//!
-//! * writing new data into the layer's `Var`s (`Var::set`): impossible for
-//!   offload, because `set` copies into the existing storage and requires the
-//!   same shape *and* a contiguous target, so a one-element placeholder can
-//!   never grow into a real weight, nor a weight shrink back;
-//! * keeping the layer as its constructor and rebuilding it from a weights
-//!   handle whenever a hook replaced a weight. This is what [`HookedModule`]
-//!   does: any candle code that builds from a `VarBuilder` (real
-//!   `candle_nn::Linear`, `LayerNorm`, `Embedding`, a whole transformer block)
-//!   works unchanged, building only clones tensor handles, and a released
-//!   weight really is freed because nothing else holds it.
-//!
-//! A hook sees the module's [`ModuleWeights`] (names and current `Var`s) and
-//! the forward's input and output; hooks keep their own state, as in
-//! Accelerate. Inputs and outputs are one `Tensor` each, as in
-//! `candle_nn::Module`.
+//! A hook sees the block's [`ModuleWeights`] (names and current tensors) and
+//! the forward's [`Activations`] and output; hooks keep their own state, as in
+//! Accelerate. A hook may also *wrap* the computation ([`ModelHook::run_forward`]):
+//! FSDP runs it on gathered weights inside an autograd node that regathers and
+//! recomputes in backward, and activation checkpointing recomputes it.
+//! See [`crate::block`] for why blocks are rebuilt rather than hooked in place.
 
 mod align;
 mod casting;
-mod module;
+mod offload;
 mod sequential;
+
+use std::sync::Arc;
 
 pub use align::AlignDevicesHook;
 pub use casting::{apply_layerwise_casting, LayerwiseCastingHook};
-pub use module::{is_placeholder, BuildFn, HookedModel, HookedModule, ModuleWeights};
+pub use offload::{cpu_offload, cpu_offload_with_hook, disk_offload, UserCpuOffloadHook};
 pub use sequential::SequentialHook;
 
+pub use accel_bigmodel::ModuleWeights;
 use candle_core::Tensor;
 
-use crate::error::Result;
+use crate::block::{Activations, AnyBlock, ForwardFn};
+use crate::{Error, Result};
 
 /// Callbacks run around a [`HookedModule`]'s forward (Accelerate's `ModelHook`).
 ///
@@ -53,7 +44,7 @@ pub trait ModelHook: Send {
     ///
     /// # Errors
     /// Aborts the forward.
-    fn pre_forward(&mut self, weights: &ModuleWeights, args: Tensor) -> Result<Tensor> {
+    fn pre_forward(&mut self, weights: &ModuleWeights, args: Activations) -> Result<Activations> {
         let _ = weights;
         Ok(args)
     }
@@ -65,6 +56,27 @@ pub trait ModelHook: Send {
     fn post_forward(&mut self, weights: &ModuleWeights, output: Tensor) -> Result<Tensor> {
         let _ = weights;
         Ok(output)
+    }
+
+    /// Whether this hook wraps the computation itself ([`ModelHook::run_forward`]).
+    /// At most one hook of a block may.
+    fn wraps_forward(&self) -> bool {
+        false
+    }
+
+    /// Runs the computation between `pre_forward` and `post_forward`, for a
+    /// hook that [wraps forwards](ModelHook::wraps_forward). `forward` runs
+    /// the block on whatever weights it is given, now or later (in backward).
+    ///
+    /// # Errors
+    /// Whatever the computation returns.
+    fn run_forward(
+        &mut self,
+        weights: &ModuleWeights,
+        args: Activations,
+        forward: &Arc<ForwardFn>,
+    ) -> Result<Tensor> {
+        forward(weights, &args)
     }
 
     /// Called when the hook is removed; should undo what `init_hook` did.
@@ -95,14 +107,26 @@ pub trait ModelHook: Send {
 /// wherever it had put them.
 ///
 /// # Errors
-/// Those of `detach_hook` and `init_hook`.
+/// Those of `detach_hook` and `init_hook`;
+/// [`Error::HookConflict`] when both hooks wrap the computation.
 pub fn add_hook_to_module(
-    module: &mut HookedModule,
+    module: &dyn AnyBlock,
     hook: Box<dyn ModelHook>,
     append: bool,
 ) -> Result<()> {
-    let hook = match remove_hook_from_module(module)? {
-        Some(old) if append => Box::new(SequentialHook::new(vec![old, hook])),
+    let hook: Box<dyn ModelHook> = match remove_hook_from_module(module)? {
+        Some(old) if append => {
+            if old.wraps_forward() && hook.wraps_forward() {
+                let conflict = Error::HookConflict {
+                    block: module.name(),
+                    first: old.name(),
+                    second: hook.name(),
+                };
+                module.put_hook(old);
+                return Err(conflict);
+            }
+            Box::new(SequentialHook::new(vec![old, hook]))
+        }
         _ => hook,
     };
     let mut hook = hook;
@@ -116,7 +140,7 @@ pub fn add_hook_to_module(
 ///
 /// # Errors
 /// Those of `detach_hook`; the hook is then left attached.
-pub fn remove_hook_from_module(module: &mut HookedModule) -> Result<Option<Box<dyn ModelHook>>> {
+pub fn remove_hook_from_module(module: &dyn AnyBlock) -> Result<Option<Box<dyn ModelHook>>> {
     let Some(mut hook) = module.take_hook() else {
         return Ok(None);
     };
@@ -129,8 +153,10 @@ pub fn remove_hook_from_module(module: &mut HookedModule) -> Result<Option<Box<d
 
 /// Whether `module` has a hook that keeps its weights offloaded (Accelerate's
 /// `has_offloaded_params`).
-pub fn has_offloaded_params(module: &HookedModule) -> bool {
-    module.with_hook(|h| h.is_some_and(|h| h.offloads()))
+pub fn has_offloaded_params(module: &dyn AnyBlock) -> bool {
+    let mut offloads = false;
+    module.inspect_hook(&mut |h| offloads = h.is_some_and(|h| h.offloads()));
+    offloads
 }
 
 #[cfg(test)]
