@@ -29,3 +29,6 @@ pub use activations::{Activations, KvCache, KvCacheSlot};
 pub use checkpoint::{apply_activation_checkpointing, CheckpointHook};
 pub use model::{Model, Sequential};
 pub use module::{AnyBlock, Block, BlockForward, BuildFn, ForwardFn};
+
+#[cfg(test)]
+mod tests;
