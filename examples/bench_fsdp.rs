@@ -185,10 +185,7 @@ fn worker(args: &Args, dir: &Path) -> Result<()> {
         let y: Vec<u32> = window.chunks(t + 1).flat_map(|w| w[1..].to_vec()).collect();
         let x = Tensor::from_vec(x, (b, t), acc.device())?;
         let y = Tensor::from_vec(y, (b, t), acc.device())?;
-        let loss = match &fsdp {
-            Some(f) => model.loss_fsdp(f, &x, &y)?,
-            None => model.loss(&x, &y)?,
-        };
+        let loss = model.loss(&x, &y)?;
         acc.backward(&loss)?;
         opt.step()?;
         opt.zero_grad();

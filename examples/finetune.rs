@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use accel_core::data::TensorDataset;
-use accel_core::fsdp::FsdpModel;
+use accel_core::nn::{AnyBlock, Model};
 use accel_core::trainer::{
     IntervalStrategy, Predictions, SchedulerType, TrainModel, Trainer, TrainingArguments,
 };
@@ -74,30 +74,25 @@ struct Args {
     fsdp: String,
 }
 
-/// The GPT as a `TrainModel`: batches are (inputs, next characters); under
-/// FSDP its parameters come through the sharded model.
-struct CharLm(Gpt, Option<FsdpModel>);
+/// The GPT as a `TrainModel`: batches are (inputs, next characters). Under
+/// FSDP the same forward runs sharded (hooks on the GPT's blocks).
+struct CharLm(Gpt);
+
+impl Model for CharLm {
+    fn blocks(&self) -> Vec<&dyn AnyBlock> {
+        self.0.blocks()
+    }
+}
 
 impl TrainModel for CharLm {
     type Batch = Vec<Tensor>;
 
     fn loss(&self, b: &Vec<Tensor>) -> accel_core::Result<Tensor> {
-        Ok(match &self.1 {
-            Some(f) => self.0.loss_fsdp(f, &b[0], &b[1])?,
-            None => self.0.loss(&b[0], &b[1])?,
-        })
-    }
-
-    fn set_fsdp(&mut self, fsdp: FsdpModel) -> accel_core::Result<()> {
-        self.1 = Some(fsdp);
-        Ok(())
+        Ok(self.0.loss(&b[0], &b[1])?)
     }
 
     fn predictions(&self, b: &Vec<Tensor>) -> accel_core::Result<Option<Predictions>> {
-        let logits = match &self.1 {
-            Some(f) => self.0.forward_fsdp(f, &b[0])?,
-            None => self.0.forward(&b[0])?,
-        };
+        let logits = self.0.forward(&b[0])?;
         Ok(Some(Predictions {
             predictions: logits.argmax(D::Minus1)?,
             labels: b[1].clone(),
@@ -175,13 +170,8 @@ fn main() -> Result<()> {
 
     args.fsdp = cli.fsdp.clone();
     args.fsdp_config.transformer_layer_cls_to_wrap = vec!["h.*".into()];
-    let mut trainer = Trainer::new(
-        args,
-        |vb| Ok(CharLm(Gpt::new(cfg, vb)?, None)),
-        train,
-        Some(eval),
-    )?
-    .with_compute_metrics(accuracy);
+    let mut trainer = Trainer::new(args, |vb| Ok(CharLm(Gpt::new(cfg, vb)?)), train, Some(eval))?
+        .with_compute_metrics(accuracy);
     let params = trainer.parameters().num_parameters();
     trainer.accelerator().print(format!(
         "GPT of {params} parameters, {} steps ({} an epoch) on {} process(es)",

@@ -198,10 +198,15 @@ impl ModuleWeights {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
+    /// A `VarBuilder` over this handle's current tensors, at the root (names
+    /// are full dotted names).
+    pub fn root_var_builder(&self) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(SlotBackend(self.clone())), DType::F32, Device::Cpu)
+    }
+
     /// A `VarBuilder` over this handle's current tensors, at the module's prefix.
     pub fn var_builder(&self) -> VarBuilder<'static> {
-        let vb =
-            VarBuilder::from_backend(Box::new(SlotBackend(self.clone())), DType::F32, Device::Cpu);
+        let vb = self.root_var_builder();
         let prefix = self.prefix();
         if prefix.is_empty() {
             vb

@@ -21,6 +21,9 @@ pub enum Error {
     /// A planning, loading or offload error.
     #[error(transparent)]
     Bigmodel(#[from] accel_bigmodel::Error),
+    /// A layer, block or hook error (boxed: it can carry a big-model error).
+    #[error(transparent)]
+    Nn(Box<accel_nn::Error>),
 
     // === files and formats ===
     /// Reading or writing a file failed.
@@ -151,4 +154,10 @@ macro_rules! bail {
     ($($arg:tt)*) => {
         return Err($crate::Error::Usage(format!($($arg)*)))
     };
+}
+
+impl From<accel_nn::Error> for Error {
+    fn from(e: accel_nn::Error) -> Self {
+        Error::Nn(Box::new(e))
+    }
 }

@@ -7,35 +7,58 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use accel_core::data::TensorDataset;
+use accel_core::nn::{AnyBlock, Block, Model};
 use accel_core::trainer::{IntervalStrategy, Predictions, TrainModel, Trainer, TrainingArguments};
 use accel_core::{find_executable_batch_size, Error, Result};
 use candle_core::{Device, Tensor};
 use candle_nn::{Linear, Module, VarBuilder};
 
 /// y = x · w + b, squared error.
-struct Regression(Linear);
+/// A linear regression as one block, so it also runs sharded.
+struct Regression(Block<Dyn>);
+
+type Dyn = Box<dyn Module + Send + Sync>;
+
+impl Model for Regression {
+    fn blocks(&self) -> Vec<&dyn AnyBlock> {
+        vec![&self.0]
+    }
+}
 
 impl TrainModel for Regression {
     type Batch = Vec<Tensor>;
 
     fn loss(&self, b: &Vec<Tensor>) -> Result<Tensor> {
-        Ok(self.0.forward(&b[0])?.sub(&b[1])?.sqr()?.mean_all()?)
+        Ok(self
+            .0
+            .forward_hidden(&b[0])?
+            .sub(&b[1])?
+            .sqr()?
+            .mean_all()?)
     }
 
     fn sample_losses(&self, b: &Vec<Tensor>, _n: usize) -> Result<Tensor> {
-        Ok(self.0.forward(&b[0])?.sub(&b[1])?.sqr()?.squeeze(1)?)
+        Ok(self
+            .0
+            .forward_hidden(&b[0])?
+            .sub(&b[1])?
+            .sqr()?
+            .squeeze(1)?)
     }
 
     fn predictions(&self, b: &Vec<Tensor>) -> Result<Option<Predictions>> {
         Ok(Some(Predictions {
-            predictions: self.0.forward(&b[0])?,
+            predictions: self.0.forward_hidden(&b[0])?,
             labels: b[1].clone(),
         }))
     }
 }
 
 fn build(vb: VarBuilder<'static>) -> Result<Regression> {
-    Ok(Regression(candle_nn::linear(3, 1, vb)?))
+    let block = Block::new(&vb, "", "Linear", |vb| {
+        Ok(Box::new(candle_nn::linear(3, 1, vb)?) as Dyn)
+    })?;
+    Ok(Regression(block))
 }
 
 /// `n` samples of a fixed linear function of deterministic inputs.
@@ -283,26 +306,21 @@ fn the_batch_size_finder_steps_down_by_a_tenth_until_training_fits() -> Result<(
     Ok(())
 }
 
-/// The regression reaching its weights through the sharded model under FSDP.
-struct ShardedRegression(Option<accel_core::fsdp::FsdpModel>);
+/// A model whose weights are outside any block: FSDP could not reach them.
+struct Loose(Linear);
 
-impl TrainModel for ShardedRegression {
+impl Model for Loose {}
+
+impl TrainModel for Loose {
     type Batch = Vec<Tensor>;
 
     fn loss(&self, b: &Vec<Tensor>) -> Result<Tensor> {
-        let fsdp = self.0.as_ref().expect("set_fsdp ran");
-        let lin = candle_nn::linear(3, 1, fsdp.root()?)?;
-        Ok(lin.forward(&b[0])?.sub(&b[1])?.sqr()?.mean_all()?)
-    }
-
-    fn set_fsdp(&mut self, fsdp: accel_core::fsdp::FsdpModel) -> Result<()> {
-        self.0 = Some(fsdp);
-        Ok(())
+        Ok(self.0.forward(&b[0])?.sub(&b[1])?.sqr()?.mean_all()?)
     }
 }
 
 #[test]
-fn trainer_with_fsdp_trains_like_without_and_a_model_without_fsdp_support_is_refused() {
+fn trainer_with_fsdp_trains_the_same_model_like_without_and_weights_outside_blocks_are_refused() {
     let plain_dir = tempfile::tempdir().unwrap();
     let mut plain = Trainer::new(
         args(plain_dir.path()).with_max_steps(12),
@@ -318,11 +336,7 @@ fn trainer_with_fsdp_trains_like_without_and_a_model_without_fsdp_support_is_ref
     let mut a = args(dir.path()).with_max_steps(12);
     a.fsdp = "full_shard".into();
     a.accelerator_config.non_blocking = true;
-    let build_sharded = |vb: VarBuilder<'static>| -> Result<ShardedRegression> {
-        candle_nn::linear(3, 1, vb)?;
-        Ok(ShardedRegression(None))
-    };
-    let mut sharded = Trainer::new(a.clone(), build_sharded, dataset(64, 0), None).unwrap();
+    let mut sharded = Trainer::new(a.clone(), build, dataset(64, 0), None).unwrap();
     assert!(sharded.parameters().is_sharded());
     let got = sharded.train().unwrap();
     assert_eq!(got.global_step, 12);
@@ -346,9 +360,11 @@ fn trainer_with_fsdp_trains_like_without_and_a_model_without_fsdp_support_is_ref
 
     let other = tempfile::tempdir().unwrap();
     a.output_dir = other.path().to_path_buf();
-    let err = match Trainer::new(a, build, dataset(64, 0), None) {
-        Ok(_) => panic!("a model without set_fsdp must be refused under FSDP"),
+    let loose =
+        |vb: VarBuilder<'static>| -> Result<Loose> { Ok(Loose(candle_nn::linear(3, 1, vb)?)) };
+    let err = match Trainer::new(a, loose, dataset(64, 0), None) {
+        Ok(_) => panic!("weights outside blocks must be refused under FSDP"),
         Err(e) => e.to_string(),
     };
-    assert!(err.contains("set_fsdp"), "{err}");
+    assert!(err.contains("`weight` is in no block"), "{err}");
 }

@@ -15,13 +15,16 @@
 //! is composed from stock candle ops. Both paths support training and
 //! agree to float rounding (see the tests).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use accel_core::nn::block::{Activations, AnyBlock, Block, BlockForward, Model};
+use accel_core::rng::SplitMix64;
 use candle_core::{DType, Device, Result, Tensor, D};
 use candle_nn::{Init, VarBuilder};
 
 use crate::kernels::{self, Activation};
 use crate::nn::{dense, layer_norm, matmul};
-use accel_core::fsdp::FsdpModel;
-use accel_core::rng::SplitMix64;
 
 /// Layer-norm epsilon of GPT-2.
 const LN_EPS: f64 = 1e-5;
@@ -84,16 +87,10 @@ impl GptConfig {
     }
 }
 
-/// Weights of one pre-LayerNorm transformer block.
-#[derive(Debug, Clone)]
-struct Block {
-    ln_1: (Tensor, Tensor),
-    c_attn: (Tensor, Tensor),
-    attn_proj: (Tensor, Tensor),
-    ln_2: (Tensor, Tensor),
-    c_fc: (Tensor, Tensor),
-    mlp_proj: (Tensor, Tensor),
-}
+/// Whether blocks use the fused CPU kernels; shared by all blocks of one
+/// model so [`Gpt::set_fused_kernels`] reaches blocks built later too (FSDP
+/// and offload rebuild blocks from other weights).
+type Fused = Arc<AtomicBool>;
 
 /// Creates `[out, in]` weight and `[out]` bias under `vb` with GPT-2's init.
 fn linear_params(vb: &VarBuilder, inp: usize, out: usize, std: f64) -> Result<(Tensor, Tensor)> {
@@ -116,13 +113,73 @@ fn ln_params(vb: &VarBuilder, d: usize) -> Result<(Tensor, Tensor)> {
     Ok((w, b))
 }
 
-impl Block {
-    fn new(cfg: &GptConfig, vb: VarBuilder) -> Result<Self> {
+fn ln(fused: bool, x: &Tensor, (w, b): &(Tensor, Tensor)) -> Result<Tensor> {
+    if fused {
+        kernels::layer_norm(x, w, b, LN_EPS)
+    } else {
+        layer_norm(x, w, b, LN_EPS)
+    }
+}
+
+/// The token embedding `wte` (block `wte`): token ids `[B, T]` to `[B, T, d]`.
+struct TokenEmbedding {
+    wte: Tensor,
+}
+
+impl BlockForward for TokenEmbedding {
+    fn forward(&self, x: &Activations) -> Result<Tensor> {
+        let (b, t) = x.hidden.dims2()?;
+        let d = self.wte.dim(1)?;
+        self.wte
+            .index_select(&x.hidden.flatten_all()?, 0)?
+            .reshape((b, t, d))
+    }
+}
+
+/// The learned position embedding `wpe` (block `wpe`), added to the tokens'.
+struct PositionEmbedding {
+    wpe: Tensor,
+}
+
+impl BlockForward for PositionEmbedding {
+    fn forward(&self, x: &Activations) -> Result<Tensor> {
+        let t = x.hidden.dim(1)?;
+        let block_size = self.wpe.dim(0)?;
+        if x.position_offset + t > block_size {
+            candle_core::bail!(
+                "sequence length {} exceeds block_size {block_size}",
+                x.position_offset + t
+            )
+        }
+        x.hidden
+            .broadcast_add(&self.wpe.narrow(0, x.position_offset, t)?)
+    }
+}
+
+/// One pre-LayerNorm transformer block `h.{i}` (class `GPT2Block`).
+struct GptBlock {
+    cfg: GptConfig,
+    fused: Fused,
+    /// Additive causal mask for the composed path (shared by all blocks).
+    mask: Tensor,
+    ln_1: (Tensor, Tensor),
+    c_attn: (Tensor, Tensor),
+    attn_proj: (Tensor, Tensor),
+    ln_2: (Tensor, Tensor),
+    c_fc: (Tensor, Tensor),
+    mlp_proj: (Tensor, Tensor),
+}
+
+impl GptBlock {
+    fn new(cfg: GptConfig, fused: Fused, mask: Tensor, vb: VarBuilder) -> Result<Self> {
         let d = cfg.n_embd;
         // GPT-2 scales the projections that write into the residual stream
         // by 1/sqrt(2 * n_layer) so its variance does not grow with depth.
         let proj_std = INIT_STD / ((2 * cfg.n_layer) as f64).sqrt();
         Ok(Self {
+            cfg,
+            fused,
+            mask,
             ln_1: ln_params(&vb.pp("ln_1"), d)?,
             c_attn: linear_params(&vb.pp("attn").pp("c_attn"), d, 3 * d, INIT_STD)?,
             attn_proj: linear_params(&vb.pp("attn").pp("c_proj"), d, d, proj_std)?,
@@ -131,239 +188,22 @@ impl Block {
             mlp_proj: linear_params(&vb.pp("mlp").pp("c_proj"), 4 * d, d, proj_std)?,
         })
     }
-}
 
-/// GPT-2 style decoder: token + learned position embeddings, `n_layer`
-/// pre-LayerNorm blocks (causal multi-head self-attention, then a 4x MLP
-/// with tanh-approximated GELU), a final LayerNorm and an `lm_head` tied to
-/// the token embedding.
-#[derive(Debug, Clone)]
-pub struct Gpt {
-    cfg: GptConfig,
-    wte: Tensor,
-    wpe: Tensor,
-    blocks: Vec<Block>,
-    ln_f: (Tensor, Tensor),
-    /// Additive causal mask `[block_size, block_size]` (0 on and below the
-    /// diagonal, -inf above) for the composed path, built once here and
-    /// sliced per sequence length instead of rebuilt every forward.
-    mask: Tensor,
-    fused: bool,
-}
-
-impl Gpt {
-    /// Creates the parameters under `vb` with GPT-2's initialisation, in the
-    /// VarBuilder's dtype (f32, f16 or bf16; all activations use it too).
-    pub fn new(cfg: GptConfig, vb: VarBuilder) -> Result<Self> {
-        if cfg.n_embd.checked_rem(cfg.n_head) != Some(0) {
-            candle_core::bail!(
-                "n_embd {} is not a multiple of n_head {}",
-                cfg.n_embd,
-                cfg.n_head
-            )
-        }
-        let d = cfg.n_embd;
-        let emb = Init::Randn {
-            mean: 0.0,
-            stdev: INIT_STD,
-        };
-        let wte = vb.get_with_hints((cfg.vocab_size, d), "wte.weight", emb)?;
-        let wpe = vb.get_with_hints((cfg.block_size, d), "wpe.weight", emb)?;
-        let blocks = (0..cfg.n_layer)
-            .map(|i| Block::new(&cfg, vb.pp("h").pp(i)))
-            .collect::<Result<_>>()?;
-        let ln_f = ln_params(&vb.pp("ln_f"), d)?;
-        let mask = causal_mask(cfg.block_size, vb.dtype(), vb.device())?;
-        Ok(Self {
-            cfg,
-            wte,
-            wpe,
-            blocks,
-            ln_f,
-            mask,
-            fused: vb.device().is_cpu(),
-        })
-    }
-
-    /// The model's shape.
-    pub fn config(&self) -> &GptConfig {
-        &self.cfg
-    }
-
-    /// Chooses between the fused CPU kernels (the default on CPU) and the
-    /// composed candle ops (the only choice elsewhere; asking for fused
-    /// kernels on another device is ignored). Useful to check one against
-    /// the other.
-    pub fn set_fused_kernels(&mut self, fused: bool) {
-        self.fused = fused && self.wte.device().is_cpu();
-    }
-
-    /// Logits `[B, T, vocab_size]` for token ids `idx [B, T]` (u32), with
-    /// `T <= block_size`.
-    pub fn forward(&self, idx: &Tensor) -> Result<Tensor> {
-        let (b, t) = idx.dims2()?;
-        self.logits_2d(idx)?.reshape((b, t, self.cfg.vocab_size))
-    }
-
-    /// Mean next-token cross entropy of the logits for `idx [B, T]` against
-    /// `targets [B, T]` (u32), over all `B * T` positions, computed in f32.
-    pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let x = self.hidden(idx)?;
-        self.head_loss(&x, &self.wte, targets)
-    }
-
-    /// [`Gpt::loss`] for a model built by `Accelerator::prepare_fsdp_model`
-    /// (whose own tensors are placeholders): the embeddings and `ln_f` come
-    /// from the root unit, and each block `h.{i}` runs as a wrapped unit when
-    /// the auto-wrap policy made it one (transformer-based wrap of `h.*`),
-    /// else from the root unit too.
-    pub fn loss_fsdp(&self, fsdp: &FsdpModel, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let (x, wte) = self.hidden_fsdp(fsdp, idx)?;
-        self.head_loss(&x, &wte, targets)
-    }
-
-    /// [`Gpt::forward`] for a model built by `Accelerator::prepare_fsdp_model`.
-    pub fn forward_fsdp(&self, fsdp: &FsdpModel, idx: &Tensor) -> Result<Tensor> {
-        let (b, t) = idx.dims2()?;
-        let (x, wte) = self.hidden_fsdp(fsdp, idx)?;
-        dense(&x, &wte, None, Activation::None, self.fused)?.reshape((b, t, self.cfg.vocab_size))
-    }
-
-    /// The final hidden states `[B * T, d]` and the (tied) token embedding,
-    /// with parameters reached through `fsdp`.
-    fn hidden_fsdp(&self, fsdp: &FsdpModel, idx: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (b, t) = idx.dims2()?;
-        let (cfg, d) = (self.cfg, self.cfg.n_embd);
-        let root = fsdp.root()?;
-        let wte = root.get((cfg.vocab_size, d), "wte.weight")?;
-        let wpe = root.get((cfg.block_size, d), "wpe.weight")?;
-        let ln_f = (root.get(d, "ln_f.weight")?, root.get(d, "ln_f.bias")?);
-        let units = fsdp.unit_names();
-        let mut x = self.embed(&wte, &wpe, idx)?;
-        for i in 0..cfg.n_layer {
-            let name = format!("h.{i}");
-            x = if units.contains(&name) {
-                let shell = self.clone();
-                fsdp.forward_unit(&name, &x, move |vb, x| {
-                    shell.block_forward(&Block::new(&cfg, vb)?, x, b, t)
-                })?
-            } else {
-                let blk = Block::new(&cfg, root.pp("h").pp(i))?;
-                self.block_forward(&blk, &x, b, t)?
-            };
-        }
-        Ok((self.ln(&x, &ln_f)?, wte))
-    }
-
-    /// Tied lm_head and mean cross entropy of the final hidden states.
-    fn head_loss(&self, x: &Tensor, wte: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let targets = targets.flatten_all()?;
-        if self.fused {
-            // lm_head and cross entropy in one op: the [B*T, vocab] logits
-            // never enter the autograd graph.
-            kernels::linear_cross_entropy(x, wte, &targets)
-        } else {
-            let logits = dense(x, wte, None, Activation::None, false)?;
-            crate::nn::cross_entropy(&logits, &targets)
-        }
-    }
-
-    /// Continues `prompt` by `max_new_tokens` tokens and returns prompt and
-    /// continuation together. Each step feeds the last `block_size` tokens
-    /// (no KV cache: the demo model is small and clarity wins). With
-    /// `temperature <= 0` it picks the most likely token, otherwise it
-    /// samples from `softmax(logits / temperature)` using `rng`.
-    pub fn generate(
-        &self,
-        prompt: &[u32],
-        max_new_tokens: usize,
-        temperature: f64,
-        rng: &mut SplitMix64,
-    ) -> Result<Vec<u32>> {
-        if prompt.is_empty() {
-            candle_core::bail!("generate needs a non-empty prompt")
-        }
-        let dev = self.wte.device();
-        let mut tokens = prompt.to_vec();
-        for _ in 0..max_new_tokens {
-            let ctx = &tokens[tokens.len().saturating_sub(self.cfg.block_size)..];
-            let idx = Tensor::new(ctx, dev)?.unsqueeze(0)?;
-            let logits = self.logits_2d(&idx)?.get(ctx.len() - 1)?;
-            let logits: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
-            tokens.push(sample(&logits, temperature, rng));
-        }
-        Ok(tokens)
-    }
-
-    /// Logits flattened to `[B * T, vocab_size]`.
-    fn logits_2d(&self, idx: &Tensor) -> Result<Tensor> {
-        // Tied lm_head: the very tensor of the token embedding.
-        dense(
-            &self.hidden(idx)?,
-            &self.wte,
-            None,
-            Activation::None,
-            self.fused,
-        )
-    }
-
-    /// The final hidden states `[B * T, n_embd]` (after `ln_f`).
-    fn hidden(&self, idx: &Tensor) -> Result<Tensor> {
-        let (b, t) = idx.dims2()?;
-        let mut x = self.embed(&self.wte, &self.wpe, idx)?;
-        for block in &self.blocks {
-            x = self.block_forward(block, &x, b, t)?;
-        }
-        self.ln(&x, &self.ln_f)
-    }
-
-    /// Token plus position embeddings `[B * T, d]` of `idx [B, T]`.
-    fn embed(&self, wte: &Tensor, wpe: &Tensor, idx: &Tensor) -> Result<Tensor> {
-        let (b, t) = idx.dims2()?;
-        if t > self.cfg.block_size {
-            candle_core::bail!(
-                "sequence length {t} exceeds block_size {}",
-                self.cfg.block_size
-            )
-        }
-        let d = self.cfg.n_embd;
-        let tok = wte.index_select(&idx.flatten_all()?, 0)?;
-        let pos = wpe.narrow(0, 0, t)?;
-        tok.reshape((b, t, d))?
-            .broadcast_add(&pos)?
-            .reshape((b * t, d))
+    fn fused(&self) -> bool {
+        self.fused.load(Ordering::Relaxed) && self.mask.device().is_cpu()
     }
 
     fn dense(&self, x: &Tensor, (w, b): &(Tensor, Tensor), act: Activation) -> Result<Tensor> {
-        dense(x, w, Some(b), act, self.fused)
-    }
-
-    fn ln(&self, x: &Tensor, (w, b): &(Tensor, Tensor)) -> Result<Tensor> {
-        if self.fused {
-            kernels::layer_norm(x, w, b, LN_EPS)
-        } else {
-            layer_norm(x, w, b, LN_EPS)
-        }
-    }
-
-    /// One block on the residual stream `x [B * T, d]`.
-    fn block_forward(&self, blk: &Block, x: &Tensor, b: usize, t: usize) -> Result<Tensor> {
-        let h = self.ln(x, &blk.ln_1)?;
-        let a = self.attention(blk, &h, b, t)?;
-        let x = (x + a)?;
-        let h = self.ln(&x, &blk.ln_2)?;
-        let h = self.dense(&h, &blk.c_fc, Activation::Gelu)?;
-        let h = self.dense(&h, &blk.mlp_proj, Activation::None)?;
-        x + h
+        dense(x, w, Some(b), act, self.fused())
     }
 
     /// Causal multi-head self-attention of `h [B * T, d]`.
-    fn attention(&self, blk: &Block, h: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+    fn attention(&self, h: &Tensor, b: usize, t: usize) -> Result<Tensor> {
         let (d, nh) = (self.cfg.n_embd, self.cfg.n_head);
         let hd = d / nh;
         // One projection for q, k and v together: one gemm instead of three.
-        let qkv = self.dense(h, &blk.c_attn, Activation::None)?;
-        let y = if self.fused {
+        let qkv = self.dense(h, &self.c_attn, Activation::None)?;
+        let y = if self.fused() {
             kernels::causal_attention(&qkv, b, t, nh)?
         } else {
             // Split heads with a single copy, [B, T, 3, H, hd] ->
@@ -384,7 +224,221 @@ impl Gpt {
                 .contiguous()?
                 .reshape((b * t, d))?
         };
-        self.dense(&y, &blk.attn_proj, Activation::None)
+        self.dense(&y, &self.attn_proj, Activation::None)
+    }
+}
+
+impl BlockForward for GptBlock {
+    fn forward(&self, x: &Activations) -> Result<Tensor> {
+        let (b, t, d) = x.hidden.dims3()?;
+        let fused = self.fused();
+        let x2 = x.hidden.reshape((b * t, d))?;
+        let h = ln(fused, &x2, &self.ln_1)?;
+        let a = self.attention(&h, b, t)?;
+        let x2 = (x2 + a)?;
+        let h = ln(fused, &x2, &self.ln_2)?;
+        let h = self.dense(&h, &self.c_fc, Activation::Gelu)?;
+        let h = self.dense(&h, &self.mlp_proj, Activation::None)?;
+        (x2 + h)?.reshape((b, t, d))
+    }
+}
+
+/// The final LayerNorm `ln_f` and the `lm_head` tied to `wte.weight` (block
+/// `ln_f`): logits `[B, T, vocab]`, or with labels the mean cross entropy,
+/// where on CPU the lm_head and the loss run as one op, so the `[B*T, vocab]`
+/// logits never enter the autograd graph.
+struct Head {
+    fused: Fused,
+    ln_f: (Tensor, Tensor),
+    wte: Tensor,
+}
+
+impl BlockForward for Head {
+    fn forward(&self, x: &Activations) -> Result<Tensor> {
+        let (b, t, d) = x.hidden.dims3()?;
+        let fused = self.fused.load(Ordering::Relaxed) && self.wte.device().is_cpu();
+        let h = ln(fused, &x.hidden.reshape((b * t, d))?, &self.ln_f)?;
+        match &x.labels {
+            Some(targets) if fused => {
+                kernels::linear_cross_entropy(&h, &self.wte, &targets.flatten_all()?)
+            }
+            Some(targets) => {
+                let logits = dense(&h, &self.wte, None, Activation::None, false)?;
+                crate::nn::cross_entropy(&logits, &targets.flatten_all()?)
+            }
+            None => dense(&h, &self.wte, None, Activation::None, fused)?.reshape((
+                b,
+                t,
+                self.wte.dim(0)?,
+            )),
+        }
+    }
+}
+
+/// GPT-2 style decoder: token + learned position embeddings, `n_layer`
+/// pre-LayerNorm blocks (causal multi-head self-attention, then a 4x MLP
+/// with tanh-approximated GELU), a final LayerNorm and an `lm_head` tied to
+/// the token embedding.
+///
+/// The model is a list of [`Block`]s (`wte`, `wpe`, `h.{i}`, `ln_f`) and one
+/// forward; run plain, under DDP, under FSDP (the blocks `h.*` or the class
+/// `GPT2Block` as units) or dispatched with offload, that forward is the same.
+pub struct Gpt {
+    cfg: GptConfig,
+    wte: Block<TokenEmbedding>,
+    wpe: Block<PositionEmbedding>,
+    blocks: Vec<Block<GptBlock>>,
+    head: Block<Head>,
+    fused: Fused,
+}
+
+impl std::fmt::Debug for Gpt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpt")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+fn block<B: BlockForward>(
+    vb: &VarBuilder,
+    name: &str,
+    class: &str,
+    build: impl Fn(VarBuilder) -> Result<B> + Send + Sync + 'static,
+) -> Result<Block<B>> {
+    Ok(Block::new(vb, name, class, build)?)
+}
+
+impl Gpt {
+    /// Creates the parameters under `vb` with GPT-2's initialisation, in the
+    /// VarBuilder's dtype (f32, f16 or bf16; all activations use it too).
+    pub fn new(cfg: GptConfig, vb: VarBuilder) -> Result<Self> {
+        if cfg.n_embd.checked_rem(cfg.n_head) != Some(0) {
+            candle_core::bail!(
+                "n_embd {} is not a multiple of n_head {}",
+                cfg.n_embd,
+                cfg.n_head
+            )
+        }
+        let d = cfg.n_embd;
+        let emb = Init::Randn {
+            mean: 0.0,
+            stdev: INIT_STD,
+        };
+        let fused: Fused = Arc::new(AtomicBool::new(vb.device().is_cpu()));
+        let mask = causal_mask(cfg.block_size, vb.dtype(), vb.device())?;
+        let (v, n) = (cfg.vocab_size, cfg.block_size);
+        let wte = block(&vb, "wte", "Embedding", move |vb| {
+            Ok(TokenEmbedding {
+                wte: vb.get_with_hints((v, d), "weight", emb)?,
+            })
+        })?;
+        let wpe = block(&vb, "wpe", "Embedding", move |vb| {
+            Ok(PositionEmbedding {
+                wpe: vb.get_with_hints((n, d), "weight", emb)?,
+            })
+        })?;
+        let blocks = (0..cfg.n_layer)
+            .map(|i| {
+                let (f, m) = (fused.clone(), mask.clone());
+                block(&vb, &format!("h.{i}"), "GPT2Block", move |vb| {
+                    GptBlock::new(cfg, f.clone(), m.clone(), vb)
+                })
+            })
+            .collect::<Result<_>>()?;
+        let f = fused.clone();
+        let head = block(&vb, "ln_f", "GPT2Head", move |vb| {
+            Ok(Head {
+                fused: f.clone(),
+                ln_f: ln_params(&vb, d)?,
+                wte: vb.root().get_with_hints((v, d), "wte.weight", emb)?,
+            })
+        })?;
+        Ok(Self {
+            cfg,
+            wte,
+            wpe,
+            blocks,
+            head,
+            fused,
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// Chooses between the fused CPU kernels (the default on CPU) and the
+    /// composed candle ops (the only choice elsewhere; asking for fused
+    /// kernels on another device is ignored). Useful to check one against
+    /// the other.
+    pub fn set_fused_kernels(&mut self, fused: bool) {
+        self.fused.store(fused, Ordering::Relaxed);
+    }
+
+    /// The final hidden states' activations after every block but the head.
+    fn trunk(&self, idx: &Tensor, labels: Option<&Tensor>) -> Result<Activations> {
+        let mut x = Activations::new(idx.clone());
+        x.labels = labels.cloned();
+        x.hidden = self.wte.forward(&x)?;
+        x.hidden = self.wpe.forward(&x)?;
+        for block in &self.blocks {
+            x.hidden = block.forward(&x)?;
+        }
+        Ok(x)
+    }
+
+    /// Logits `[B, T, vocab_size]` for token ids `idx [B, T]` (u32), with
+    /// `T <= block_size`.
+    pub fn forward(&self, idx: &Tensor) -> Result<Tensor> {
+        Ok(self.head.forward(&self.trunk(idx, None)?)?)
+    }
+
+    /// Mean next-token cross entropy of the logits for `idx [B, T]` against
+    /// `targets [B, T]` (u32), over all `B * T` positions, computed in f32.
+    pub fn loss(&self, idx: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        Ok(self.head.forward(&self.trunk(idx, Some(targets))?)?)
+    }
+
+    /// Continues `prompt` by `max_new_tokens` tokens and returns prompt and
+    /// continuation together. Each step feeds the last `block_size` tokens
+    /// (no KV cache: the demo model is small and clarity wins). With
+    /// `temperature <= 0` it picks the most likely token, otherwise it
+    /// samples from `softmax(logits / temperature)` using `rng`.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        temperature: f64,
+        rng: &mut SplitMix64,
+    ) -> Result<Vec<u32>> {
+        if prompt.is_empty() {
+            candle_core::bail!("generate needs a non-empty prompt")
+        }
+        let dev = self
+            .wte
+            .weights()
+            .tensor("wte.weight")
+            .map_or(Device::Cpu, |t| t.device().clone());
+        let mut tokens = prompt.to_vec();
+        for _ in 0..max_new_tokens {
+            let ctx = &tokens[tokens.len().saturating_sub(self.cfg.block_size)..];
+            let idx = Tensor::new(ctx, &dev)?.unsqueeze(0)?;
+            let logits = self.forward(&idx)?.get(0)?.get(ctx.len() - 1)?;
+            let logits: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
+            tokens.push(sample(&logits, temperature, rng));
+        }
+        Ok(tokens)
+    }
+}
+
+impl Model for Gpt {
+    fn blocks(&self) -> Vec<&dyn AnyBlock> {
+        let mut all: Vec<&dyn AnyBlock> = vec![&self.wte, &self.wpe];
+        all.extend(self.blocks.iter().map(|b| b as &dyn AnyBlock));
+        all.push(&self.head);
+        all
     }
 }
 

@@ -1,23 +1,50 @@
 //! A multi-layer perceptron classifier, the "hello world" model of the
 //! examples and of the MLP benchmark.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use accel_core::nn::block::{Activations, AnyBlock, Block, BlockForward, Model};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::kernels::Activation;
 use crate::nn;
 
+/// One layer `layers.{i}`: `act(x @ w^T + b)`.
+struct Dense {
+    w: Tensor,
+    b: Tensor,
+    act: Activation,
+    fused: Arc<AtomicBool>,
+}
+
+impl BlockForward for Dense {
+    fn forward(&self, x: &Activations) -> Result<Tensor> {
+        let fused = self.fused.load(Ordering::Relaxed) && self.w.device().is_cpu();
+        nn::dense(&x.hidden, &self.w, Some(&self.b), self.act, fused)
+    }
+}
+
 /// Fully connected layers with ReLU between them (none after the last),
-/// producing logits.
+/// producing logits; each layer is a [`Block`], so the same struct runs
+/// plain, sharded or offloaded.
 ///
 /// Parameters are named like a PyTorch `nn.Sequential` of `nn.Linear`
 /// layers stored under `layers`: `layers.{i}.weight` with shape
 /// `[out, in]` and `layers.{i}.bias` with shape `[out]`, so checkpoints map
 /// one to one onto the PyTorch reference model.
-#[derive(Debug, Clone)]
 pub struct Mlp {
-    layers: Vec<(Tensor, Tensor)>,
-    fused: bool,
+    layers: Vec<Block<Dense>>,
+    fused: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Mlp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mlp")
+            .field("layers", &self.layers.len())
+            .finish()
+    }
 }
 
 impl Mlp {
@@ -28,22 +55,31 @@ impl Mlp {
         if sizes.len() < 2 {
             candle_core::bail!("an Mlp needs at least an input and an output size, got {sizes:?}")
         }
-        let vb = vb.pp("layers");
+        let fused = Arc::new(AtomicBool::new(vb.device().is_cpu()));
+        let n = sizes.len() - 1;
         let layers = sizes
             .windows(2)
             .enumerate()
             .map(|(i, io)| {
-                let l = candle_nn::linear(io[0], io[1], vb.pp(i))?;
-                Ok((
-                    l.weight().clone(),
-                    l.bias().expect("linear has a bias").clone(),
-                ))
+                let (inp, out, fused) = (io[0], io[1], fused.clone());
+                let act = if i + 1 < n {
+                    Activation::Relu
+                } else {
+                    Activation::None
+                };
+                let name = format!("layers.{i}");
+                Ok(Block::new(&vb, &name, "Linear", move |vb| {
+                    let l = candle_nn::linear(inp, out, vb)?;
+                    Ok(Dense {
+                        w: l.weight().clone(),
+                        b: l.bias().expect("linear has a bias").clone(),
+                        act,
+                        fused: fused.clone(),
+                    })
+                })?)
             })
             .collect::<Result<_>>()?;
-        Ok(Self {
-            layers,
-            fused: vb.device().is_cpu(),
-        })
+        Ok(Self { layers, fused })
     }
 
     /// Number of linear layers.
@@ -55,27 +91,28 @@ impl Mlp {
     /// and composed candle ops (the only choice on other devices, where
     /// asking for fused kernels is ignored).
     pub fn set_fused_kernels(&mut self, fused: bool) {
-        self.fused = fused && self.layers[0].0.device().is_cpu();
+        self.fused.store(fused, Ordering::Relaxed);
     }
 
     /// Logits `[batch, sizes[n-1]]` for inputs `x [batch, sizes[0]]`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut x = x.clone();
-        for (i, (w, b)) in self.layers.iter().enumerate() {
-            let act = if i + 1 < self.layers.len() {
-                Activation::Relu
-            } else {
-                Activation::None
-            };
-            x = nn::dense(&x, w, Some(b), act, self.fused)?;
+        let mut x = Activations::new(x.clone());
+        for layer in &self.layers {
+            x.hidden = layer.forward(&x)?;
         }
-        Ok(x)
+        Ok(x.hidden)
     }
 
     /// Mean cross entropy of the logits for `x` against `labels [batch]`
     /// (u32 class ids), computed in f32 whatever the parameter dtype.
     pub fn loss(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
         nn::cross_entropy(&self.forward(x)?, labels)
+    }
+}
+
+impl Model for Mlp {
+    fn blocks(&self) -> Vec<&dyn AnyBlock> {
+        self.layers.iter().map(|l| l as &dyn AnyBlock).collect()
     }
 }
 

@@ -109,12 +109,8 @@ impl TinyJob {
                 let batch = batch?;
                 let (model, params, opt, sched) =
                     (&self.model, &self.params, &mut self.opt, &mut self.sched);
-                let fsdp = self.fsdp.as_ref();
                 let loss = acc.accumulate(|acc| {
-                    let loss = match fsdp {
-                        Some(f) => model.loss_fsdp(f, &batch[0], &batch[1])?,
-                        None => model.loss(&batch[0], &batch[1])?,
-                    };
+                    let loss = model.loss(&batch[0], &batch[1])?;
                     acc.backward(&loss)?;
                     if acc.sync_gradients() {
                         acc.clip_grad_norm(params, 1.0)?;

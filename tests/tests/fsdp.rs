@@ -85,7 +85,7 @@ fn fsdp_step(
         .with_fsdp(plugin);
     let mut acc = Accelerator::new(config).unwrap();
     let (shell, fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg(), vb)).unwrap();
-    let loss = shell.loss_fsdp(&fsdp, &x, &y).unwrap();
+    let loss = shell.loss(&x, &y).unwrap();
     acc.backward(&loss).unwrap();
     let loss = loss.to_dtype(DType::F32).unwrap().to_scalar().unwrap();
     (loss, fsdp.params().gradients())
@@ -133,8 +133,8 @@ fn bf16_fsdp_computes_in_bf16_and_reduces_in_fp32_like_the_plain_model() {
     let (x, y) = batch();
     let mut acc =
         Accelerator::new(AcceleratorConfig::default().with_seed(3).with_fsdp(fp32)).unwrap();
-    let (shell, fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg(), vb)).unwrap();
-    let loss: f32 = shell.loss_fsdp(&fsdp, &x, &y).unwrap().to_scalar().unwrap();
+    let (shell, _fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg(), vb)).unwrap();
+    let loss: f32 = shell.loss(&x, &y).unwrap().to_scalar().unwrap();
     assert_eq!(loss, fp32_loss);
 }
 

@@ -6,7 +6,9 @@ use candle_core::Device;
 use candle_nn::VarBuilder;
 
 use super::Accelerator;
-use crate::fsdp::{FsdpModel, ShardedInit};
+use accel_nn::Model;
+
+use crate::fsdp::{plan_units, shard_blocks, FsdpModel, ShardedInit};
 use crate::{Error, Result};
 
 impl Accelerator {
@@ -18,9 +20,13 @@ impl Accelerator {
     /// parameter is drawn (seeded, the same values as [`Accelerator::var_builder`]
     /// gives) and only this rank's piece is kept, so the full model never
     /// exists in one process. The model `build` returns holds zero-memory
-    /// placeholders: its forward must read parameters through the returned
-    /// [`FsdpModel`] (see [`crate::fsdp`]).
-    pub fn prepare_fsdp_model<M, E: Into<Error>>(
+    /// placeholders in its [`Block`](accel_nn::Block)s, each of which gets
+    /// the FSDP hook: the model's own forward then runs sharded, each wrapped
+    /// block on its gathered parameters (see [`crate::fsdp`]).
+    ///
+    /// # Errors
+    /// Those of `build`; a parameter that is in no block.
+    pub fn prepare_fsdp_model<M: Model, E: Into<Error>>(
         &mut self,
         build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, FsdpModel)> {
@@ -46,14 +52,21 @@ impl Accelerator {
         );
         let user_model = build(vb).map_err(Into::into)?;
         let pieces = std::mem::take(&mut *drawn.lock().unwrap_or_else(|e| e.into_inner()));
+        let sizes: Vec<(String, usize)> = pieces
+            .iter()
+            .map(|(n, s, _)| (n.clone(), s.elem_count()))
+            .collect();
+        let unit_of = plan_units(&user_model, &sizes, &plugin.auto_wrap_policy)?;
         let model = FsdpModel::new(
             pieces,
+            &unit_of,
             &plugin,
             self.comm.clone(),
             self.compute_dtype(),
             self.device().clone(),
             master_device,
         )?;
+        shard_blocks(&user_model, &model)?;
         let params = model.params().clone();
         self.buckets.push(None);
         self.models.push(params);

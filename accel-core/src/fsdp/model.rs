@@ -4,16 +4,17 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use accel_nn::block::{Activations, ForwardFn};
+use accel_nn::hooks::ModuleWeights;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
-use candle_nn::VarBuilder;
 
-use accel_dist::fsdp::{group_units, ShardLayout, ShardingStrategy};
+use accel_dist::fsdp::{ShardLayout, ShardingStrategy};
 use accel_dist::Communicator;
 
 use super::plugin::FullyShardedDataParallelPlugin;
 use super::sharding::{lock, Sharding, Unit};
-use super::unit_op::{UnitFn, UnitOp};
+use super::unit_op::UnitOp;
 use crate::model::PreparedModel;
 use crate::{Error, Result};
 
@@ -49,6 +50,7 @@ impl FsdpModel {
     /// into units as `plugin` says.
     pub(crate) fn new(
         mut pieces: Vec<(String, Shape, Tensor)>,
+        unit_of: &HashMap<String, String>,
         plugin: &FullyShardedDataParallelPlugin,
         comm: Arc<dyn Communicator>,
         compute_dtype: DType,
@@ -57,9 +59,8 @@ impl FsdpModel {
     ) -> Result<Self> {
         pieces.sort_by(|a, b| a.0.cmp(&b.0));
         let names: Vec<String> = pieces.iter().map(|p| p.0.clone()).collect();
-        let numels: Vec<usize> = pieces.iter().map(|p| p.1.elem_count()).collect();
         let (world, rank) = plugin.shard_group(comm.world_size(), comm.rank());
-        let units = group_units(&names, &numels, &plugin.auto_wrap_policy)
+        let units = group_by_unit(&names, unit_of)
             .into_iter()
             .map(|(prefix, ids)| {
                 let params: Vec<(String, Shape)> = ids
@@ -145,7 +146,13 @@ impl FsdpModel {
 
     /// Names of the parameters in unit `prefix` (`""` for the root unit).
     pub fn unit_parameter_names(&self, prefix: &str) -> Result<Vec<String>> {
-        let u = self.unit(prefix)?;
+        let u = *self.unit_index.get(prefix).ok_or_else(|| Error::Config {
+            key: format!("fsdp unit `{prefix}`"),
+            reason: format!(
+                "no such unit; the auto-wrap policy formed {:?}",
+                self.unit_names()
+            ),
+        })?;
         Ok(self.sharding.units[u]
             .layout
             .slots()
@@ -158,68 +165,64 @@ impl FsdpModel {
         &self.sharding
     }
 
-    fn unit(&self, prefix: &str) -> Result<usize> {
-        self.unit_index
-            .get(prefix)
-            .copied()
-            .ok_or_else(|| Error::Config {
-                key: format!("fsdp unit `{prefix}`"),
-                reason: format!(
-                    "no such unit; the auto-wrap policy formed {:?}",
-                    self.unit_names()
-                ),
-            })
-    }
-
-    /// The full parameters of the root unit (those no policy wrapped) for this
-    /// forward, under their full names. Call it once per forward, before
-    /// the wrapped units; gradients reach them as usual and are reduced by
-    /// `Accelerator::backward`.
-    pub fn root(&self) -> candle_core::Result<VarBuilder<'static>> {
+    /// Runs a block of the root unit (parameters no policy wrapped) on the
+    /// root's full parameters for this forward, gathered once per forward;
+    /// gradients reach them as usual and are reduced by `Accelerator::backward`.
+    pub(crate) fn forward_root(
+        &self,
+        args: &Activations,
+        forward: &Arc<ForwardFn>,
+    ) -> accel_nn::Result<Tensor> {
         let tensors = self.tracked_params(0).map_err(wrap)?;
-        Ok(self.unit_var_builder(0, &tensors))
+        forward(&self.unit_weights(0, &tensors)?, args)
     }
 
-    /// Runs wrapped unit `prefix` on `x`: `f` builds the unit from a
-    /// `VarBuilder` over its full parameters (names relative to the unit,
-    /// e.g. `attn.c_attn.weight` in unit `h.0`) and applies it.
+    /// Runs wrapped unit `u` (one block) on `args`; `forward` builds the
+    /// block from the weights it is given and applies it.
     ///
     /// Under `FullShard`/`ShardGradOp` the parameters are gathered here and
-    /// the unit's activations are not kept: the backward gathers (or, for
-    /// `ShardGradOp`, reuses) the parameters, runs `f` again and
-    /// reduce-scatters the gradients at once. `f` must therefore compute the
-    /// same thing when called twice.
-    pub fn forward_unit<F>(&self, prefix: &str, x: &Tensor, f: F) -> candle_core::Result<Tensor>
-    where
-        F: Fn(VarBuilder<'static>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
-    {
-        let u = self.unit(prefix).map_err(wrap)?;
+    /// the block's activations are not kept: the backward gathers (or, for
+    /// `ShardGradOp`, reuses) the parameters, runs `forward` again and
+    /// reduce-scatters the gradients at once.
+    pub(crate) fn forward_unit(
+        &self,
+        u: usize,
+        args: &Activations,
+        forward: &Arc<ForwardFn>,
+    ) -> accel_nn::Result<Tensor> {
         if !self.sharding.uses_unit_op(u) {
             let tensors = self.tracked_params(u).map_err(wrap)?;
-            return f(self.unit_var_builder(u, &tensors), x);
+            return forward(&self.unit_weights(u, &tensors)?, args);
         }
         let full = self.unit_params(u).map_err(wrap)?;
-        let out = f(self.unit_var_builder(u, &full), &x.detach())?;
+        let input = args.hidden.clone();
+        let args = args.detach();
+        let out = forward(&self.unit_weights(u, &full)?, &args)?;
         if self.sharding.strategy == ShardingStrategy::ShardGradOp {
             lock(&self.sharding.kept).insert(u, full);
         } else {
             drop(full);
         }
         // The op needs a tracked input to be reached by the backward.
-        let x = if x.track_op() {
-            x.clone()
+        let x = if input.track_op() || !input.dtype().is_float() {
+            input
         } else {
-            Var::from_tensor(x)?.as_tensor().clone()
+            Var::from_tensor(&input)?.as_tensor().clone()
         };
-        let f: Arc<UnitFn> = Arc::new(f);
         let node = x.apply_op1(UnitOp {
             model: self.clone(),
             unit: u,
-            f,
+            f: forward.clone(),
+            args,
             out_shape: out.shape().clone(),
             out_dtype: out.dtype(),
         })?;
-        node + out
+        Ok((node + out)?)
+    }
+
+    /// The unit's index for a wrapped block, `None` for a block of the root unit.
+    pub(crate) fn unit_of_block(&self, block: &str) -> Option<usize> {
+        self.unit_index.get(block).copied().filter(|&u| u != 0)
     }
 
     /// The full parameters of unit `u`, untracked: gathered from the pieces,
@@ -235,6 +238,11 @@ impl FsdpModel {
     /// Full parameters of unit `u` as variables of the current graph; their
     /// gradients are collected by [`FsdpModel::collect_gradients`].
     fn tracked_params(&self, u: usize) -> Result<Vec<Tensor>> {
+        // Once per forward: blocks sharing a unit (the root) or a block run
+        // twice see the same tensors, so their gradients add up.
+        if let Some(live) = lock(&self.sharding.live).get(&u) {
+            return Ok(live.clone());
+        }
         let tensors: Vec<Tensor> = match self.sharding.persistent(u) {
             Some(vars) => vars.iter().map(|v| v.as_tensor().clone()).collect(),
             None => self
@@ -247,23 +255,22 @@ impl FsdpModel {
         Ok(tensors)
     }
 
-    /// A `VarBuilder` over `tensors`, the full parameters of unit `u` in
-    /// layout order, named relative to the unit.
-    pub(crate) fn unit_var_builder(&self, u: usize, tensors: &[Tensor]) -> VarBuilder<'static> {
+    /// A weights handle over `tensors`, the full parameters of unit `u` in
+    /// layout order, under their full names.
+    pub(crate) fn unit_weights(
+        &self,
+        u: usize,
+        tensors: &[Tensor],
+    ) -> accel_nn::Result<ModuleWeights> {
         let unit = &self.sharding.units[u];
-        let strip = if unit.prefix.is_empty() {
-            0
-        } else {
-            unit.prefix.len() + 1
-        };
-        let map: HashMap<String, Tensor> = unit
+        let named = unit
             .layout
             .slots()
             .iter()
             .zip(tensors)
-            .map(|(s, t)| (s.name[strip..].to_string(), t.clone()))
+            .map(|(s, t)| (s.name.clone(), t.clone()))
             .collect();
-        VarBuilder::from_tensors(map, self.sharding.param_dtype, &self.sharding.device)
+        Ok(ModuleWeights::new(unit.prefix.clone(), named)?)
     }
 
     /// Reduces the gradients the backward left on the full parameters handed
@@ -300,6 +307,23 @@ pub(crate) fn grads_of(store: &GradStore, tensors: &[Tensor]) -> candle_core::Re
         .collect()
 }
 
+/// Carries an accel-core error through candle ops (a unit's backward), typed.
 pub(super) fn wrap(e: Error) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
+    candle_core::Error::wrap(e)
+}
+
+/// Groups parameter indices by their unit (`unit_of`: parameter name to unit
+/// prefix; absent = root): the root unit `""` first, then units by name.
+fn group_by_unit(names: &[String], unit_of: &HashMap<String, String>) -> Vec<(String, Vec<usize>)> {
+    let mut units: std::collections::BTreeMap<String, Vec<usize>> = Default::default();
+    let mut root = vec![];
+    for (i, n) in names.iter().enumerate() {
+        match unit_of.get(n) {
+            Some(prefix) => units.entry(prefix.clone()).or_default().push(i),
+            None => root.push(i),
+        }
+    }
+    std::iter::once((String::new(), root))
+        .chain(units)
+        .collect()
 }

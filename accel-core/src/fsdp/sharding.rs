@@ -171,6 +171,8 @@ impl Sharding {
     /// and after every optimizer step.
     pub fn refresh(&self, masters: &[Tensor]) -> Result<()> {
         lock(&self.kept).clear();
+        // Parameters handed out before this step are stale now.
+        lock(&self.live).clear();
         if !self.strategy.keeps_full_parameters() {
             return Ok(());
         }

@@ -10,22 +10,21 @@
 
 use std::sync::Arc;
 
+use accel_nn::block::{Activations, ForwardFn};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cpu_backend::CpuDevice;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
-use candle_nn::VarBuilder;
 
 use super::model::{grads_of, wrap, FsdpModel};
 use super::sharding::lock;
 
-/// A unit's computation: builds the unit from a `VarBuilder` over its full
-/// parameters (names relative to the unit) and applies it to the input.
-pub type UnitFn = dyn Fn(VarBuilder<'static>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync;
-
 pub(crate) struct UnitOp {
     pub model: FsdpModel,
     pub unit: usize,
-    pub f: Arc<UnitFn>,
+    /// The block's computation on given weights.
+    pub f: Arc<ForwardFn>,
+    /// The block's input, detached (only the hidden states get a gradient).
+    pub args: Activations,
     pub out_shape: Shape,
     pub out_dtype: DType,
 }
@@ -64,8 +63,8 @@ impl CustomOp1 for UnitOp {
         drop(full);
         let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let x = Var::from_tensor(&arg.detach())?;
-        let vb = self.model.unit_var_builder(self.unit, &tensors);
-        let out = (self.f)(vb, x.as_tensor())?;
+        let weights = self.model.unit_weights(self.unit, &tensors)?;
+        let out = (self.f)(&weights, &self.args.with_hidden(x.as_tensor().clone()))?;
         // d/d(out) of sum(out * g) is exactly g, whatever the dtype.
         let grads = (out * grad.detach())?.sum_all()?.backward()?;
         let param_grads = grads_of(&grads, &tensors)?;

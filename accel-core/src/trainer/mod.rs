@@ -11,6 +11,8 @@
 //! use candle_nn::{Linear, Module};
 //!
 //! struct Regression(Linear);
+//! // No blocks: the model trains plain and data-parallel; FSDP needs blocks.
+//! impl accel_core::nn::Model for Regression {}
 //! impl TrainModel for Regression {
 //!     type Batch = Vec<Tensor>;
 //!     fn loss(&self, b: &Vec<Tensor>) -> accel_core::Result<Tensor> {
@@ -45,7 +47,6 @@ use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
 use crate::data::{DataLoader, DataLoaderConfig, Dataset};
-use crate::fsdp::FsdpModel;
 use crate::optim::{transformers_no_decay, AdamW, AdamWConfig, PreparedOptimizer};
 use crate::scheduler::{LrScheduler, PreparedScheduler};
 use crate::{Accelerator, PreparedModel, Result};
@@ -53,10 +54,12 @@ use state::Counted;
 
 /// A model the [`Trainer`] can train: it computes the loss of a batch.
 ///
-/// Only [`TrainModel::loss`] is required. Override
+/// Only [`TrainModel::loss`] is required; the model's parameters live in
+/// [`Block`](accel_nn::Block)s ([`accel_nn::Model`]), so FSDP (`fsdp` in the
+/// arguments) shards the same forward. Override
 /// [`TrainModel::sample_losses`] for an exact per-sample evaluation loss, and
 /// [`TrainModel::predictions`] to feed a metrics function.
-pub trait TrainModel {
+pub trait TrainModel: accel_nn::Model {
     /// What one batch is (for a `TensorDataset`, `Vec<Tensor>`).
     type Batch;
 
@@ -76,16 +79,6 @@ pub trait TrainModel {
     /// [`ComputeMetrics`]; `None` (the default) skips metrics.
     fn predictions(&self, _batch: &Self::Batch) -> Result<Option<Predictions>> {
         Ok(None)
-    }
-
-    /// Receives the sharded parameters when the run uses FSDP (`fsdp` in
-    /// the arguments): the model then holds placeholders and must compute
-    /// its loss through `fsdp` (see [`crate::fsdp`]). The default refuses.
-    fn set_fsdp(&mut self, fsdp: FsdpModel) -> Result<()> {
-        let _ = fsdp;
-        Err(crate::Error::Usage(
-            "this TrainModel cannot run under FSDP: implement TrainModel::set_fsdp and compute the loss through the FsdpModel".into(),
-        ))
     }
 }
 
@@ -163,10 +156,9 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
     ) -> Result<Self> {
         args.validate()?;
         let (model, params) = if acc.config().fsdp.is_some() {
-            let (mut model, fsdp) = acc.prepare_fsdp_model(build)?;
-            let params = fsdp.params().clone();
-            model.set_fsdp(fsdp)?;
-            (model, params)
+            // The FSDP hooks on the model's blocks shard its one forward.
+            let (model, fsdp) = acc.prepare_fsdp_model(build)?;
+            (model, fsdp.params().clone())
         } else {
             let varmap = VarMap::new();
             let model = build(acc.var_builder(&varmap))?;

@@ -10,7 +10,7 @@ mod layout;
 mod wrap;
 
 pub use layout::{piece_range, ShardLayout, ShardSlot};
-pub use wrap::{group_units, AutoWrapPolicy};
+pub use wrap::{group_units, matches_pattern, AutoWrapPolicy};
 
 use serde::{Deserialize, Serialize};
 

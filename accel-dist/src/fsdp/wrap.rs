@@ -6,16 +6,18 @@ use serde::{Deserialize, Serialize};
 
 /// How parameters are grouped into separately gathered units.
 ///
-/// Rust models have no module classes to match, so the transformer-based
-/// policy matches module *names* instead: `h.*` wraps `h.0`, `h.1`, ...
-/// (a `*` stands for one dotted segment).
+/// The transformer-based policy matches block class names as Python configs
+/// give them (`LlamaDecoderLayer`, `GPT2Block`: each block of a model declares
+/// its class) and module-name patterns: `h.*` wraps `h.0`, `h.1`, ... (a `*`
+/// stands for one dotted segment).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AutoWrapPolicy {
     /// `TRANSFORMER_BASED_WRAP`: every module whose name matches one of the
     /// patterns becomes a unit (the outermost match wins).
     Transformer {
-        /// Module-name patterns, e.g. `["h.*"]` or `["encoder.layer.*"]`.
+        /// Block class names or module-name patterns, e.g. `["LlamaDecoderLayer"]`,
+        /// `["h.*"]` or `["encoder.layer.*"]`.
         patterns: Vec<String>,
     },
     /// `SIZE_BASED_WRAP`: bottom-up, a module becomes a unit once the
@@ -71,7 +73,8 @@ fn module_prefixes(name: &str) -> Vec<String> {
     (1..parts.len()).map(|k| parts[..k].join(".")).collect()
 }
 
-fn matches_pattern(module: &str, pattern: &str) -> bool {
+/// Whether module name `module` matches `pattern` (dotted, `*` matches one name part).
+pub fn matches_pattern(module: &str, pattern: &str) -> bool {
     let m: Vec<&str> = module.split('.').collect();
     let p: Vec<&str> = pattern.split('.').collect();
     m.len() == p.len() && m.iter().zip(&p).all(|(a, b)| *b == "*" || a == b)

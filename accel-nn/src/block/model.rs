@@ -12,8 +12,12 @@ use crate::Result;
 /// sharding, offload and casting reach all of them by acting on blocks.
 pub trait Model {
     /// The blocks, in the order the forward runs them (the order device maps
-    /// are planned in).
-    fn blocks(&self) -> Vec<&dyn AnyBlock>;
+    /// are planned in). The default, none, suits a model that is only ever
+    /// run plainly or data-parallel; sharding, offload and checkpointing act
+    /// on blocks and refuse a model whose weights are outside them.
+    fn blocks(&self) -> Vec<&dyn AnyBlock> {
+        Vec::new()
+    }
 
     /// Every weight with its current tensor, block by block; a weight two
     /// blocks share (tied embeddings) is listed once, at its first block.

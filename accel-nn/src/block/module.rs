@@ -224,7 +224,9 @@ impl<B: BlockForward> Block<B> {
             if weights.same_handle(&own) {
                 return Ok(built_from(&built, &build, &own)?.forward(x)?);
             }
-            let block = build(weights.var_builder())?;
+            // Another handle (a unit's gathered weights) may hold more than
+            // this block; the block is built at its own name either way.
+            let block = build(child(&weights.root_var_builder(), &own.prefix()))?;
             Ok(block.forward(x)?)
         })
     }

@@ -12,9 +12,10 @@ use crate::hooks::tests::{block, input, Dyn};
 fn model_on(map: &VarMap) -> Sequential<Dyn> {
     let vb = VarBuilder::from_varmap(map, DType::F32, &Device::Cpu);
     let dims = [(8, 16), (16, 16), (16, 4)];
-    let blocks = dims.iter().enumerate().map(|(i, &(a, b))| {
-        Block::new(&vb.pp("h"), &i.to_string(), "Layer", block(a, b)).unwrap()
-    });
+    let blocks = dims
+        .iter()
+        .enumerate()
+        .map(|(i, &(a, b))| Block::new(&vb.pp("h"), &i.to_string(), "Layer", block(a, b)).unwrap());
     Sequential::new(blocks.collect())
 }
 
@@ -23,7 +24,9 @@ fn grads(map: &VarMap, loss: &Tensor) -> HashMap<String, Vec<u32>> {
     let data = map.data().lock().unwrap();
     data.iter()
         .map(|(n, v)| {
-            let g = store.get(v.as_tensor()).expect("every weight has a gradient");
+            let g = store
+                .get(v.as_tensor())
+                .expect("every weight has a gradient");
             let g = g.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             (n.clone(), g.into_iter().map(f32::to_bits).collect())
         })
@@ -46,7 +49,15 @@ fn a_block_takes_each_weight_once_from_its_source_with_the_init_hints_of_candle_
     let w = model.blocks[1].weights().tensor("h.1.weight").unwrap();
     assert_eq!(w.id(), data["h.1.weight"].as_tensor().id());
     // candle-nn's linear init: kaiming-uniform weights, not zeros.
-    assert!(w.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+    assert!(
+        w.abs()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            > 0.0
+    );
 }
 
 #[test]
@@ -65,7 +76,12 @@ fn checkpointed_blocks_give_the_plain_outputs_and_gradients_bit_for_bit() {
     assert_eq!(bits(&out), bits(&out2));
     let loss2 = out2.sqr().unwrap().sum_all().unwrap();
     assert_eq!(plain, grads(&map, &loss2));
-    let gx2 = loss2.backward().unwrap().get(x.as_tensor()).unwrap().clone();
+    let gx2 = loss2
+        .backward()
+        .unwrap()
+        .get(x.as_tensor())
+        .unwrap()
+        .clone();
     assert_eq!(bits(&gx), bits(&gx2));
 }
 
@@ -92,12 +108,22 @@ fn a_checkpointed_block_runs_again_in_backward_and_only_then() {
     let model = Sequential::new(vec![b]);
     apply_activation_checkpointing(&model, &[]).unwrap();
     let x = Var::from_tensor(&input()).unwrap();
-    let loss = model.forward_hidden(x.as_tensor()).unwrap().sum_all().unwrap();
+    let loss = model
+        .forward_hidden(x.as_tensor())
+        .unwrap()
+        .sum_all()
+        .unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     let store = loss.backward().unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 2);
     assert!(store.get(x.as_tensor()).is_some());
-    assert_eq!(map.all_vars().iter().filter(|v| store.get(v.as_tensor()).is_some()).count(), 2);
+    assert_eq!(
+        map.all_vars()
+            .iter()
+            .filter(|v| store.get(v.as_tensor()).is_some())
+            .count(),
+        2
+    );
 }
 
 #[test]
