@@ -277,6 +277,9 @@ impl Accelerator {
         }
         drop(masters_drawn);
         let model = PreparedModel::new(names, vars, masters);
+        // Weights loaded into the VarMap after `var_builder` drew them win
+        // over the drawn fp32 masters.
+        model.adopt_outside_writes()?;
         if self.num_processes() > 1 {
             // DDP: every replica starts from rank 0's weights.
             let masters: Vec<Tensor> = model.master_weights().into_iter().map(|(_, t)| t).collect();

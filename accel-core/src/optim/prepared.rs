@@ -68,6 +68,8 @@ impl PreparedOptimizer {
         if found_inf {
             tracing::debug!("optimizer step skipped: non-finite gradients");
         } else {
+            // A compute copy written since the last step is taken up, not overwritten.
+            g.model.adopt_outside_writes()?;
             let (params, grads, ids) = {
                 let m = g.model.lock();
                 let ids: Vec<usize> = (0..m.names.len()).filter(|&i| m.has_grad[i]).collect();
