@@ -2,21 +2,17 @@
 //! worker binary and the in-process tests run identically.
 
 use accel_core::data::{DataLoader, TensorDataset};
-use accel_core::fsdp::FsdpModel;
 use accel_core::optim::{AdamW, AdamWConfig, PreparedOptimizer};
 use accel_core::scheduler::{LrScheduler, PreparedScheduler, Schedule};
 use accel_core::{Accelerator, PreparedModel};
 use accel_examples::text::{windows, CharTokenizer, CORPUS};
 use accel_examples::{Gpt, GptConfig};
 use candle_core::Tensor;
-use candle_nn::VarMap;
 
 /// A small GPT with its prepared parameters, optimizer, scheduler and loader.
 pub struct TinyJob {
-    /// The model (placeholders under FSDP: its weights live in `fsdp`).
+    /// The model (under FSDP its blocks run on the sharded parameters).
     pub model: Gpt,
-    /// The sharded parameters, when the Accelerator has an FSDP plugin.
-    pub fsdp: Option<FsdpModel>,
     /// Its prepared parameters.
     pub params: PreparedModel,
     /// AdamW over them.
@@ -68,14 +64,7 @@ impl TinyJob {
             TensorDataset::new(vec![x, y])?,
             accel_core::data::DataLoaderConfig::new(batch_size).with_shuffle(true),
         );
-        let (model, params, fsdp) = if acc.config().fsdp.is_some() {
-            let (model, fsdp) = acc.prepare_fsdp_model(|vb| Gpt::new(cfg, vb))?;
-            (model, fsdp.params().clone(), Some(fsdp))
-        } else {
-            let varmap = VarMap::new();
-            let model = Gpt::new(cfg, acc.var_builder(&varmap))?;
-            (model, acc.prepare_model(&varmap)?, None)
-        };
+        let (model, params) = acc.prepare(|vb| Gpt::new(cfg, vb))?;
         let opt = acc.prepare_optimizer(
             &params,
             AdamW::new(AdamWConfig {
@@ -87,7 +76,6 @@ impl TinyJob {
         let loader = acc.prepare_data_loader(loader);
         Ok(Self {
             model,
-            fsdp,
             params,
             opt,
             sched,

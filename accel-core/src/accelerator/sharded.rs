@@ -9,9 +9,36 @@ use super::Accelerator;
 use accel_nn::Model;
 
 use crate::fsdp::{plan_units, shard_blocks, FsdpModel, ShardedInit};
-use crate::{Error, Result};
+use crate::{Error, PreparedModel, Result};
 
 impl Accelerator {
+    /// Builds a model and prepares it for the way this run trains
+    /// (Accelerate's `prepare(model)`): sharded across the ranks when the
+    /// configuration (or `accel launch`'s `distributed_type: FSDP`) has an
+    /// FSDP plugin, as [`Accelerator::prepare_fsdp_model`] does; else built
+    /// on [`Accelerator::var_builder`] and prepared for plain or
+    /// data-parallel training, as [`Accelerator::prepare_model`] does. The
+    /// model's one forward serves every case.
+    ///
+    /// Pass the returned parameters to `prepare_optimizer`, and load
+    /// pretrained weights with [`PreparedModel::load_checkpoint`].
+    ///
+    /// # Errors
+    /// Those of `build` and of the preparation.
+    pub fn prepare<M: Model, E: Into<Error>>(
+        &mut self,
+        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
+    ) -> Result<(M, PreparedModel)> {
+        if self.config.fsdp.is_some() {
+            let (model, fsdp) = self.prepare_fsdp_model(build)?;
+            return Ok((model, fsdp.params().clone()));
+        }
+        let varmap = candle_nn::VarMap::new();
+        let model = build(self.var_builder(&varmap)).map_err(Into::into)?;
+        let params = self.prepare_model(&varmap)?;
+        Ok((model, params))
+    }
+
     /// Builds a model with its parameters sharded across the ranks (FSDP /
     /// ZeRO, as the `fsdp` plugin of the configuration says; FULL_SHARD
     /// with no auto-wrap when none is set).

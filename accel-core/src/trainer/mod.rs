@@ -44,7 +44,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Tensor};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarBuilder;
 
 use crate::data::{DataLoader, DataLoaderConfig, Dataset};
 use crate::optim::{transformers_no_decay, AdamW, AdamWConfig, PreparedOptimizer};
@@ -155,15 +155,8 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
         eval_dataset: Option<D>,
     ) -> Result<Self> {
         args.validate()?;
-        let (model, params) = if acc.config().fsdp.is_some() {
-            // The FSDP hooks on the model's blocks shard its one forward.
-            let (model, fsdp) = acc.prepare_fsdp_model(build)?;
-            (model, fsdp.params().clone())
-        } else {
-            let varmap = VarMap::new();
-            let model = build(acc.var_builder(&varmap))?;
-            (model, acc.prepare_model(&varmap)?)
-        };
+        // Under FSDP the hooks on the model's blocks shard its one forward.
+        let (model, params) = acc.prepare(build)?;
         let opt = acc.prepare_optimizer(
             &params,
             AdamW::new(AdamWConfig {

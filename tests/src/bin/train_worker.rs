@@ -84,8 +84,8 @@ fn main() -> Result<()> {
         accel_tests::cosine()
     };
     let mut job = TinyJob::new(&mut acc, 600, args.batch_size, schedule)?;
-    if let (Some(path), Some(fsdp)) = (&args.init_from, &job.fsdp) {
-        fsdp.load_checkpoint(path)?;
+    if let Some(path) = &args.init_from {
+        job.params.load_checkpoint(path)?;
     }
     let mut done = 0;
     if args.resume {

@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""PyTorch side of `bench_train`: the same two workloads, the same optimizer
+rule, on 2 CPU threads, printed as one JSON object of steps per second.
+
+- mlp_784_512_512_10_b64: Linear-ReLU-Linear-ReLU-Linear, batch 64, cross entropy.
+- gpt_v4096_d256_l4_h4_t128_b8: GPT-2 style pre-LayerNorm decoder (learned
+  positions, causal attention, 4x MLP with tanh GELU, final LayerNorm, lm_head
+  tied to the token embedding), batch 8 x 128 tokens.
+
+Both train with AdamW (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01)
+where biases and LayerNorm weights get no weight decay, which is the rule
+accel-rs' Accelerator applies (transformers' `get_parameter_names` grouping).
+
+    python3 scripts/bench_train_torch.py --workload all --rounds 5 --json
+"""
+import argparse
+import json
+
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
+
+    def loss(self, x, y):
+        return F.cross_entropy(self.layers(x), y)
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+        self.h = h
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.h, d // self.h).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class Gpt(nn.Module):
+    def __init__(self, vocab=4096, d=256, layers=4, heads=4, block=128):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(block, d)
+        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def loss(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for blk in self.h:
+            x = blk(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def adamw(model):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        is_norm = ".ln_" in f".{name}" or name.startswith("ln_")
+        (no_decay if name.endswith("bias") or is_norm else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": 0.01},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # foreach: PyTorch's fast multi-tensor path on CPU.
+    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, foreach=True)
+
+
+def workload(kind):
+    g = torch.Generator().manual_seed(0)
+    if kind == "mlp":
+        model = Mlp()
+        xs = torch.randn(8, 64, 784, generator=g)
+        ys = torch.randint(0, 10, (8, 64), generator=g)
+        return model, lambda i: model.loss(xs[i % 8], ys[i % 8]), 60
+    model = Gpt()
+    toks = torch.randint(0, 4096, (4, 8, 129), generator=g)
+    return model, lambda i: model.loss(toks[i % 4, :, :128], toks[i % 4, :, 1:]), 3
+
+
+def rate(model, loss, opt, start, n):
+    t = time.perf_counter()
+    for i in range(start, start + n):
+        opt.zero_grad(set_to_none=True)
+        loss(i).backward()
+        opt.step()
+    return n / (time.perf_counter() - t)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", default="all", choices=["mlp", "gpt", "all"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    names = {"mlp": "mlp_784_512_512_10_b64", "gpt": "gpt_v4096_d256_l4_h4_t128_b8"}
+    kinds = ["mlp", "gpt"] if args.workload == "all" else [args.workload]
+    out = {"torch_version": torch.__version__, "threads": args.threads}
+    for kind in kinds:
+        model, loss, steps = workload(kind)
+        opt = adamw(model)
+        rate(model, loss, opt, 0, 2)
+        rates = sorted(rate(model, loss, opt, 2 + r * steps, steps) for r in range(args.rounds))
+        out[names[kind]] = round(rates[len(rates) // 2], 2)
+    print(json.dumps(out) if args.json else json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
