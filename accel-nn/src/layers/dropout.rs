@@ -13,7 +13,7 @@ use crate::ops;
 /// SplitMix64 stream on the host instead, so CPU runs are reproducible.
 #[derive(Debug)]
 pub struct Dropout {
-    p: f64,
+    p: f32,
     rng: Option<Mutex<u64>>,
 }
 
@@ -26,13 +26,13 @@ impl Clone for Dropout {
 
 impl Dropout {
     /// As `candle_nn::Dropout::new`.
-    pub fn new(p: f64) -> Self {
+    pub fn new(p: f32) -> Self {
         Self { p, rng: None }
     }
 
     /// Masks from a host RNG seeded with `seed`: the same seed gives the
     /// same masks on every run and device.
-    pub fn with_seed(p: f64, seed: u64) -> Self {
+    pub fn with_seed(p: f32, seed: u64) -> Self {
         Self {
             p,
             rng: Some(Mutex::new(seed)),
@@ -58,7 +58,7 @@ impl Dropout {
                 z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
                 z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
                 let u = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64;
-                u8::from(u >= self.p)
+                u8::from(u >= self.p as f64)
             })
             .collect();
         let keep = Tensor::from_vec(keep, x.shape(), &Device::Cpu)?.to_device(x.device())?;

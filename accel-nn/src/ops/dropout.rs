@@ -4,26 +4,27 @@ use candle_core::{bail, DType, Result, Tensor};
 
 /// Zeroes each element with probability `p` and scales the rest by
 /// `1 / (1 - p)` when `train`; the identity otherwise (and when `p == 0`).
+/// `p` is f32 as in `candle_nn::ops::dropout`.
 ///
 /// The mask comes from `Tensor::rand`, candle's device RNG: on CUDA
 /// `Device::set_seed` makes it reproducible; candle 0.11's CPU RNG is
 /// thread-local and cannot be seeded, so use
 /// [`crate::layers::Dropout::with_seed`] for reproducible CPU runs.
-pub fn dropout(x: &Tensor, p: f64, train: bool) -> Result<Tensor> {
+pub fn dropout(x: &Tensor, p: f32, train: bool) -> Result<Tensor> {
     if !(0.0..1.0).contains(&p) {
         bail!("dropout: probability must be in [0, 1), got {p}")
     }
     if !train || p == 0.0 {
         return Ok(x.clone());
     }
-    let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?.ge(p)?;
+    let keep = Tensor::rand(0f32, 1f32, x.shape(), x.device())?.ge(p as f64)?;
     apply_mask(x, &keep, p)
 }
 
 /// `x * keep / (1 - p)` with `keep` a u8 mask of `x`'s shape; the one
 /// product is also the backward (gradient times the same mask).
-pub(crate) fn apply_mask(x: &Tensor, keep: &Tensor, p: f64) -> Result<Tensor> {
-    let scale = (keep.to_dtype(DType::F32)? * (1.0 / (1.0 - p)))?.to_dtype(x.dtype())?;
+pub(crate) fn apply_mask(x: &Tensor, keep: &Tensor, p: f32) -> Result<Tensor> {
+    let scale = (keep.to_dtype(DType::F32)? * (1.0 / (1.0 - p as f64)))?.to_dtype(x.dtype())?;
     x * scale
 }
 

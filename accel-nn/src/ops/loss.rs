@@ -49,6 +49,9 @@ fn flatten(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
             targets.dims()
         )
     }
+    if logits.rank() == 2 {
+        return Ok((logits.clone(), targets.clone()));
+    }
     let n = targets.elem_count();
     Ok((logits.reshape((n, c))?, targets.reshape(n)?))
 }
