@@ -1,7 +1,9 @@
 //! Training throughput of models built only from accel-nn ops: the MLP
 //! (784-512-512-10, batch 64) and the GPT (vocab 4096, d 256, 4 layers, 4
-//! heads, seq 128, batch 8) of the examples' `bench_train`, with candle's
-//! AdamW. Prints one JSON object.
+//! heads, seq 128, batch 8) of the examples' `bench_train`, stepped with
+//! the fused `accel_kernels::adamw_step` like its `raw_fused` loop (set
+//! `ACCEL_BENCH_CANDLE_ADAMW=1` for candle's AdamW, `ACCEL_BENCH_NO_OPT=1`
+//! for forward + backward only). Prints one JSON object.
 //!
 //! ```text
 //! cargo run --release -p accel-nn --example bench_nn -- [mlp|gpt|all] [packed]
@@ -15,6 +17,70 @@ use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 
+/// The optimizer a bench step ends with.
+enum Opt {
+    Candle(AdamW),
+    Fused {
+        params: Vec<Tensor>,
+        m: Vec<Tensor>,
+        v: Vec<Tensor>,
+        step: u64,
+    },
+    None,
+}
+
+impl Opt {
+    fn new(map: &VarMap) -> Result<Self> {
+        if std::env::var("ACCEL_BENCH_NO_OPT").is_ok() {
+            return Ok(Opt::None);
+        }
+        if std::env::var("ACCEL_BENCH_CANDLE_ADAMW").is_ok() {
+            return Ok(Opt::Candle(AdamW::new(
+                map.all_vars(),
+                ParamsAdamW::default(),
+            )?));
+        }
+        let params: Vec<Tensor> = map
+            .all_vars()
+            .iter()
+            .map(|v| v.as_tensor().clone())
+            .collect();
+        let zeros = |p: &Tensor| p.zeros_like();
+        Ok(Opt::Fused {
+            m: params
+                .iter()
+                .map(zeros)
+                .collect::<candle_core::Result<_>>()?,
+            v: params
+                .iter()
+                .map(zeros)
+                .collect::<candle_core::Result<_>>()?,
+            params,
+            step: 0,
+        })
+    }
+
+    fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        match self {
+            Opt::Candle(opt) => opt.backward_step(loss)?,
+            Opt::None => {
+                loss.backward()?;
+            }
+            Opt::Fused { params, m, v, step } => {
+                let grads = loss.backward()?;
+                let g: Vec<Tensor> = params
+                    .iter()
+                    .map(|p| grads.get(p).expect("gradient").clone())
+                    .collect();
+                *step += 1;
+                let hp = accel_kernels::AdamWParams::default();
+                accel_kernels::adamw_step(params, &g, m, v, *step, &hp)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 fn mlp(steps: usize) -> Result<f64> {
     let dev = Device::Cpu;
     let map = VarMap::new();
@@ -27,22 +93,14 @@ fn mlp(steps: usize) -> Result<f64> {
         .collect::<candle_core::Result<_>>()?;
     let x = Tensor::randn(0f32, 1.0, (64, 784), &dev)?;
     let y = Tensor::from_vec((0..64u32).map(|i| i % 10).collect(), 64, &dev)?;
-    let mut opt = AdamW::new(map.all_vars(), ParamsAdamW::default())?;
-    // ACCEL_BENCH_NO_OPT=1 measures forward + backward only.
-    let no_opt = std::env::var("ACCEL_BENCH_NO_OPT").is_ok();
-    let step = |opt: &mut AdamW| -> Result<()> {
+    let mut opt = Opt::new(&map)?;
+    let step = |opt: &mut Opt| -> Result<()> {
         let mut h = x.clone();
         for (i, l) in layers.iter().enumerate() {
             let act = (i + 1 < layers.len()).then_some(Activation::Relu);
             h = l.forward_act(&h, act)?;
         }
-        let loss = ops::cross_entropy(&h, &y)?;
-        if no_opt {
-            loss.backward()?;
-        } else {
-            opt.backward_step(&loss)?;
-        }
-        Ok(())
+        opt.backward_step(&ops::cross_entropy(&h, &y)?)
     };
     for _ in 0..10 {
         step(&mut opt)?;
@@ -141,7 +199,7 @@ fn gpt(steps: usize) -> Result<f64> {
     let model = Gpt::new(vb, 4096, 256, 4, 4, 128)?;
     let idx = Tensor::rand(0f32, 4096.0, (8, 128), &dev)?.to_dtype(DType::U32)?;
     let targets = idx.roll(-1, D::Minus1)?;
-    let mut opt = AdamW::new(map.all_vars(), ParamsAdamW::default())?;
+    let mut opt = Opt::new(&map)?;
     for _ in 0..2 {
         opt.backward_step(&model.loss(&idx, &targets)?)?;
     }
