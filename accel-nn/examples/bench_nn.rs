@@ -127,6 +127,7 @@ struct Gpt {
     blocks: Vec<Block>,
     ln_f: LayerNorm,
     heads: usize,
+    packed: bool,
 }
 
 impl Gpt {
@@ -157,6 +158,7 @@ impl Gpt {
             blocks,
             ln_f: layer_norm(d, 1e-5, vb.pp("ln_f"))?,
             heads,
+            packed: std::env::args().any(|a| a == "packed"),
         })
     }
 
@@ -171,12 +173,17 @@ impl Gpt {
             .broadcast_add(&self.wpe.forward(&pos)?)?;
         for blk in &self.blocks {
             let qkv = blk.c_attn.forward(&blk.ln_1.forward(&x)?)?;
-            let qkv = qkv.reshape((b, t, 3, nh, hd))?;
-            let part = |i| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
-            let (q, k, v) = (part(0)?, part(1)?, part(2)?);
             let mask = AttentionMask::Causal { offset: 0 };
-            let y = ops::scaled_dot_product_attention(&q, &k, &v, &mask, 1.0 / (hd as f64).sqrt())?;
-            let y = y.transpose(1, 2)?.reshape((b, t, d))?;
+            let scale = 1.0 / (hd as f64).sqrt();
+            let y = if self.packed {
+                ops::attention_qkv(&qkv, nh, &mask, scale)?
+            } else {
+                let qkv = qkv.reshape((b, t, 3, nh, hd))?;
+                let part = |i| qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+                let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+                let y = ops::scaled_dot_product_attention(&q, &k, &v, &mask, scale)?;
+                y.transpose(1, 2)?.reshape((b, t, d))?
+            };
             x = (x + blk.attn_proj.forward(&y)?)?;
             let h = blk
                 .c_fc

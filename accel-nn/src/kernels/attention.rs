@@ -30,10 +30,10 @@ pub(crate) struct MaskSpec {
 
 /// The op; it keeps the probabilities `[b*h, t, s]` for backward (2 MiB per
 /// layer at the GPT bench shape), cheaper than recomputing them.
-struct Attention {
-    mask: MaskSpec,
-    scale: f32,
-    probs: Mutex<Option<Vec<f32>>>,
+pub(super) struct Attention {
+    pub(super) mask: MaskSpec,
+    pub(super) scale: f32,
+    pub(super) probs: Mutex<Option<Vec<f32>>>,
 }
 
 /// `softmax(q k^T * scale + mask) v` per head for q `[b, h, t, d]` and k, v
@@ -64,15 +64,18 @@ pub(crate) fn attention(
     q.apply_op3(&k, &v, op)
 }
 
+/// A strided f32 view: (data, start offset, strides).
+pub(super) type View<'a> = (&'a [f32], usize, &'a [usize]);
+
 /// The shapes of one call.
 #[derive(Clone, Copy)]
-struct Dims {
-    b: usize,
-    h: usize,
-    kvh: usize,
-    t: usize,
-    s: usize,
-    d: usize,
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) h: usize,
+    pub(super) kvh: usize,
+    pub(super) t: usize,
+    pub(super) s: usize,
+    pub(super) d: usize,
 }
 
 impl Dims {
@@ -202,6 +205,95 @@ impl Attention {
             });
         (y, probs)
     }
+
+    /// The forward pass with the mask's bias read in place: returns the
+    /// output `[b, h, t, d]` and keeps the probabilities for backward.
+    pub(super) fn run(
+        &self,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        dims: Dims,
+    ) -> Result<Vec<f32>> {
+        let (y, probs) = match &self.mask.bias {
+            Some(bias) => {
+                if bias.dims() != [dims.b, dims.h, dims.t, dims.s] {
+                    bail!("attention: bias {:?} is not [b, h, t, s]", bias.dims())
+                }
+                with_strided_f32(bias, |data, off, st| {
+                    Ok(self.forward(q, k, v, dims, Some((data, off, st))))
+                })?
+            }
+            None => self.forward(q, k, v, dims, None),
+        };
+        *self.probs.lock().unwrap() = Some(probs);
+        Ok(y)
+    }
+
+    /// (dq, dk, dv), contiguous `[b, h, t, d]` / `[b, kv_h, s, d]`, from the
+    /// stored probabilities and the output gradient `g [b, h, t, d]`.
+    pub(super) fn backward(
+        &self,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        g: &[f32],
+        dims: Dims,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let Dims { b, h, kvh, t, s, d } = dims;
+        let n_rep = h / kvh;
+        let guard = self.probs.lock().unwrap();
+        let Some(probs) = guard.as_ref() else {
+            bail!("attention backward without its forward state")
+        };
+        let mut dq = vec![0f32; b * h * t * d];
+        let mut dk = vec![0f32; b * kvh * s * d];
+        let mut dv = vec![0f32; b * kvh * s * d];
+        if t == 0 || s == 0 || d == 0 {
+            return Ok((dq, dk, dv));
+        }
+        let par = b * kvh < rayon::current_num_threads();
+        let ((qd, qo, qs), (kd, ko, ks), (vd, vo, vs)) = (q, k, v);
+        dq.par_chunks_mut(n_rep * t * d)
+            .zip(dk.par_chunks_mut(s * d).zip(dv.par_chunks_mut(s * d)))
+            .enumerate()
+            .for_each(|(group, (dq, (dk, dv)))| {
+                let (bi, kv) = (group / kvh, group % kvh);
+                let ko = ko + bi * ks[0] + kv * ks[1];
+                let vo = vo + bi * vs[0] + kv * vs[1];
+                for r in 0..n_rep {
+                    let hi = kv * n_rep + r;
+                    let bh = bi * h + hi;
+                    let qo = qo + bi * qs[0] + hi * qs[1];
+                    let p = &probs[bh * t * s..(bh + 1) * t * s];
+                    let dy = MatRef::rows(g, bh * t * d, d);
+                    // dP = dY V^T
+                    let mut ds = gemm_new((t, s, d), dy, MatRef::rows_t(vd, vo, vs[2]), par);
+                    // dV += P^T dY
+                    let p_t = MatRef::rows_t(p, 0, s);
+                    gemm((s, d, t), dv, 0, d, r > 0, p_t, dy, 1.0, par);
+                    // dS = P * (dP - rowsum(dP * P)) * scale; 0 where P is.
+                    softmax_backward_rows(&mut ds, p, s, self.scale);
+                    // dQ = dS K, dK += dS^T Q
+                    let (ds_rows, ds_t) = (MatRef::rows(&ds, 0, s), MatRef::rows_t(&ds, 0, s));
+                    let k_rows = MatRef::rows(kd, ko, ks[2]);
+                    gemm(
+                        (t, d, s),
+                        dq,
+                        r * t * d,
+                        d,
+                        false,
+                        ds_rows,
+                        k_rows,
+                        1.0,
+                        par,
+                    );
+                    let q_rows = MatRef::rows(qd, qo, qs[2]);
+                    gemm((s, d, t), dk, 0, d, r > 0, ds_t, q_rows, 1.0, par);
+                }
+            });
+        Ok((dq, dk, dv))
+    }
 }
 
 impl CustomOp3 for Attention {
@@ -222,20 +314,7 @@ impl CustomOp3 for Attention {
         let (q, qo, qs) = strided_f32(s1, l1)?;
         let (k, ko, ks) = strided_f32(s2, l2)?;
         let (v, vo, vs) = strided_f32(s3, l3)?;
-        type View<'a> = (&'a [f32], usize, &'a [usize]);
-        let run = |bias: Option<View<'_>>| {
-            self.forward((&q, qo, &qs), (&k, ko, &ks), (&v, vo, &vs), dims, bias)
-        };
-        let (y, probs) = match &self.mask.bias {
-            Some(bias) => {
-                if bias.dims() != [dims.b, dims.h, dims.t, dims.s] {
-                    bail!("attention: bias {:?} is not [b, h, t, s]", bias.dims())
-                }
-                with_strided_f32(bias, |data, off, st| Ok(run(Some((data, off, st)))))?
-            }
-            None => run(None),
-        };
-        *self.probs.lock().unwrap() = Some(probs);
+        let y = self.run((&q, qo, &qs), (&k, ko, &ks), (&v, vo, &vs), dims)?;
         Ok((from_f32(y, s1.dtype())?, l1.shape().clone()))
     }
 
@@ -248,86 +327,15 @@ impl CustomOp3 for Attention {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = Dims::of(q.dims(), k.dims(), v.dims())?;
-        let Dims { b, h, kvh, t, s, d } = dims;
-        let n_rep = h / kvh;
-        let guard = self.probs.lock().unwrap();
-        let Some(probs) = guard.as_ref() else {
-            bail!("attention backward without its forward state")
-        };
-        let mut dq = vec![0f32; b * h * t * d];
-        let mut dk = vec![0f32; b * kvh * s * d];
-        let mut dv = vec![0f32; b * kvh * s * d];
-        let par = b * kvh < rayon::current_num_threads();
-        if t > 0 && s > 0 && d > 0 {
-            with_strided_f32(q, |qd, qo, qs| {
-                with_strided_f32(k, |kd, ko, ks| {
-                    with_strided_f32(v, |vd, vo, vs| {
-                        with_f32(grad, |g| {
-                            dq.par_chunks_mut(n_rep * t * d)
-                                .zip(dk.par_chunks_mut(s * d).zip(dv.par_chunks_mut(s * d)))
-                                .enumerate()
-                                .for_each(|(group, (dq, (dk, dv)))| {
-                                    let (bi, kv) = (group / kvh, group % kvh);
-                                    let ko = ko + bi * ks[0] + kv * ks[1];
-                                    let vo = vo + bi * vs[0] + kv * vs[1];
-                                    for r in 0..n_rep {
-                                        let hi = kv * n_rep + r;
-                                        let bh = bi * h + hi;
-                                        let qo = qo + bi * qs[0] + hi * qs[1];
-                                        let p = &probs[bh * t * s..(bh + 1) * t * s];
-                                        let dy = MatRef::rows(g, bh * t * d, d);
-                                        // dP = dY V^T
-                                        let mut ds = gemm_new(
-                                            (t, s, d),
-                                            dy,
-                                            MatRef::rows_t(vd, vo, vs[2]),
-                                            par,
-                                        );
-                                        // dV += P^T dY
-                                        gemm(
-                                            (s, d, t),
-                                            dv,
-                                            0,
-                                            d,
-                                            r > 0,
-                                            MatRef::rows_t(p, 0, s),
-                                            dy,
-                                            1.0,
-                                            par,
-                                        );
-                                        // dS = P * (dP - rowsum(dP * P)) * scale; 0 where P is.
-                                        softmax_backward_rows(&mut ds, p, s, self.scale);
-                                        // dQ = dS K, dK += dS^T Q
-                                        gemm(
-                                            (t, d, s),
-                                            dq,
-                                            r * t * d,
-                                            d,
-                                            false,
-                                            MatRef::rows(&ds, 0, s),
-                                            MatRef::rows(kd, ko, ks[2]),
-                                            1.0,
-                                            par,
-                                        );
-                                        gemm(
-                                            (s, d, t),
-                                            dk,
-                                            0,
-                                            d,
-                                            r > 0,
-                                            MatRef::rows_t(&ds, 0, s),
-                                            MatRef::rows(qd, qo, qs[2]),
-                                            1.0,
-                                            par,
-                                        );
-                                    }
-                                });
-                            Ok(())
-                        })
+        let (dq, dk, dv) = with_strided_f32(q, |qd, qo, qs| {
+            with_strided_f32(k, |kd, ko, ks| {
+                with_strided_f32(v, |vd, vo, vs| {
+                    with_f32(grad, |g| {
+                        self.backward((qd, qo, qs), (kd, ko, ks), (vd, vo, vs), g, dims)
                     })
                 })
-            })?;
-        }
+            })
+        })?;
         let grad_of = |t: &Tensor, data: Vec<f32>| -> Result<Option<Tensor>> {
             if t.track_op() {
                 Ok(Some(tensor_from_f32(data, t.shape(), t.dtype())?))

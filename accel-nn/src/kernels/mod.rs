@@ -26,6 +26,7 @@ mod raw;
 
 mod act;
 mod attention;
+mod attention_packed;
 mod linear;
 mod loss;
 mod math;
@@ -35,6 +36,7 @@ mod softmax;
 
 pub(crate) use act::{pointwise, swiglu};
 pub(crate) use attention::{attention, MaskSpec};
+pub(crate) use attention_packed::attention_packed;
 pub(crate) use linear::{linear, Act};
 pub(crate) use loss::{cross_entropy, linear_cross_entropy};
 pub(crate) use norm::{layer_norm, rms_norm};

@@ -90,6 +90,55 @@ pub fn scaled_dot_product_attention(
     kernels::attention(q, k, v, spec, scale)
 }
 
+/// Self-attention straight from a fused qkv projection: `qkv [b, t, 3 *
+/// n_head * hd]` holds the q, k and v blocks (heads concatenated inside
+/// each, GPT-2's `c_attn` layout); returns the merged heads `[b, t, n_head
+/// * hd]`. Same maths as [`scaled_dot_product_attention`] with `s == t`;
+/// on CPU it also skips the three zero-padded gradient `cat`s that
+/// splitting heads with `narrow` costs in backward.
+pub fn attention_qkv(
+    qkv: &Tensor,
+    n_head: usize,
+    mask: &AttentionMask,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, t, three_d) = qkv.dims3()?;
+    if n_head == 0 || three_d % (3 * n_head) != 0 {
+        bail!(
+            "attention_qkv: qkv {:?} is not [b, t, 3 * {n_head} * head_dim]",
+            qkv.dims()
+        )
+    }
+    let (offset, bias) = mask.parts();
+    if !(fused(qkv) && bias.is_none_or(|b| !b.track_op())) {
+        return composed_attention_qkv(qkv, n_head, mask, scale);
+    }
+    let bias = bias
+        .map(|bias| bias.to_dtype(DType::F32)?.broadcast_as((b, n_head, t, t)))
+        .transpose()?;
+    let spec = MaskSpec {
+        causal_offset: offset,
+        bias,
+    };
+    kernels::attention_packed(qkv, n_head, spec, scale)
+}
+
+/// Composed [`attention_qkv`]: split heads with views, composed attention,
+/// merge heads.
+pub fn composed_attention_qkv(
+    qkv: &Tensor,
+    n_head: usize,
+    mask: &AttentionMask,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, t, three_d) = qkv.dims3()?;
+    let d = three_d / 3;
+    let x = qkv.reshape((b, t, 3, n_head, d / n_head))?;
+    let part = |i| x.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+    let y = composed_attention(&part(0)?, &part(1)?, &part(2)?, mask, scale)?;
+    y.transpose(1, 2)?.reshape((b, t, d))
+}
+
 /// The additive causal mask `[t, s]`: 0 where query `i` may see key `j`
 /// (`j <= offset + i`), `-inf` elsewhere.
 fn causal_bias(t: usize, s: usize, offset: usize, dtype: DType, device: &Device) -> Result<Tensor> {
@@ -117,7 +166,13 @@ pub fn composed_attention(
     scale: f64,
 ) -> Result<Tensor> {
     let dtype = q.dtype();
-    let (q, k, v) = (upcast(q)?, upcast(k)?, upcast(v)?);
+    // candle's matmul refuses views strided in the batch dimensions (heads
+    // split out of a fused projection), hence the contiguous copies.
+    let (q, k, v) = (
+        upcast(q)?.contiguous()?,
+        upcast(k)?.contiguous()?,
+        upcast(v)?.contiguous()?,
+    );
     let compute = q.dtype();
     let (b, h, t, d) = q.dims4()?;
     let (_, kvh, s, _) = k.dims4()?;

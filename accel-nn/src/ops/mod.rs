@@ -19,7 +19,7 @@ mod rope;
 mod softmax;
 
 pub use activation::{gelu, gelu_tanh, relu, silu, swiglu, Activation};
-pub use attention::{scaled_dot_product_attention, AttentionMask};
+pub use attention::{attention_qkv, scaled_dot_product_attention, AttentionMask};
 pub use dropout::dropout;
 pub use linear::linear;
 pub use loss::{cross_entropy, linear_cross_entropy};
@@ -34,6 +34,7 @@ pub mod composed {
     pub use super::activation::composed_activation as activation;
     pub use super::activation::composed_swiglu as swiglu;
     pub use super::attention::composed_attention as scaled_dot_product_attention;
+    pub use super::attention::composed_attention_qkv as attention_qkv;
     pub use super::linear::composed_linear as linear;
     pub use super::loss::{
         composed_cross_entropy as cross_entropy,

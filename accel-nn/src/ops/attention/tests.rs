@@ -181,3 +181,38 @@ fn a_trainable_bias_gets_its_gradient() -> Result<()> {
     assert!(g.get(bias.as_tensor()).is_some());
     Ok(())
 }
+
+#[test]
+fn packed_qkv_attention_matches_composed_through_every_mask() -> Result<()> {
+    let (b, t, h, hd) = (2, 5, 3, 4);
+    let masks = [
+        AttentionMask::None,
+        AttentionMask::Causal { offset: 0 },
+        AttentionMask::Additive(padding(b, t, f32::NEG_INFINITY)?),
+        AttentionMask::CausalAndAdditive {
+            offset: 0,
+            bias: padding(b, t, -1e9)?,
+        },
+    ];
+    for (i, mask) in masks.iter().enumerate() {
+        check_op(
+            &[vec![b, t, 3 * h * hd]],
+            90 + i as u64,
+            &|xs| attention_qkv(&xs[0], h, mask, 0.5),
+            &|xs| composed_attention_qkv(&xs[0], h, mask, 0.5),
+        )?;
+    }
+    // And the packed op equals the split-view op exactly in value.
+    let qkv = randn(&[b, t, 3 * h * hd], 3, 1.0)?;
+    let x = qkv.reshape((b, t, 3, h, hd))?;
+    let part = |i| x.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+    let mask = AttentionMask::Causal { offset: 0 };
+    let split = scaled_dot_product_attention(&part(0)?, &part(1)?, &part(2)?, &mask, 0.5)?;
+    let split = split.transpose(1, 2)?.reshape((b, t, h * hd))?;
+    assert_close(
+        &attention_qkv(&qkv, h, &mask, 0.5)?,
+        &split,
+        0.0,
+        "packed vs split",
+    )
+}
