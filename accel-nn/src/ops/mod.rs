@@ -65,3 +65,66 @@ fn upcast(t: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 pub(crate) mod testing;
+
+#[cfg(test)]
+mod tests {
+    //! The composed paths (what CUDA runs) in half precision: every one
+    //! must accept f16/bf16, return the input dtype (losses f32) and give
+    //! finite gradients of the input dtype.
+
+    use candle_core::{DType, Device, Result, Tensor, Var};
+
+    use super::testing::randn;
+    use super::*;
+
+    #[test]
+    fn every_composed_op_runs_and_differentiates_in_half_precision() -> Result<()> {
+        for dtype in [DType::BF16, DType::F16] {
+            let var = |shape: &[usize], seed| -> Result<Var> {
+                Var::from_tensor(&randn(shape, seed, 1.0)?.to_dtype(dtype)?)
+            };
+            let (x, w, b) = (var(&[2, 3, 8], 1)?, var(&[8], 2)?, var(&[8], 3)?);
+            let (q, k) = (var(&[2, 4, 3, 8], 4)?, var(&[2, 2, 3, 8], 5)?);
+            let lw = var(&[5, 8], 6)?;
+            let angles = randn(&[3, 4], 7, 1.0)?;
+            let (cos, sin) = (angles.cos()?, angles.sin()?);
+            let mask = AttentionMask::CausalAndAdditive {
+                offset: 0,
+                bias: Tensor::zeros((2, 1, 1, 3), dtype, &Device::Cpu)?,
+            };
+            let targets = Tensor::new(&[[1u32, 4, u32::MAX], [0, 2, 3]], &Device::Cpu)?;
+            let outs = [
+                composed::softmax_last_dim(&x)?,
+                composed::log_softmax_last_dim(&x)?,
+                composed::layer_norm(&x, &w, Some(&b), 1e-5)?,
+                composed::rms_norm(&x, &w, 1e-5)?,
+                composed::activation(&x, Some(Activation::Gelu))?,
+                composed::swiglu(&x, &x)?,
+                composed::linear(&x, &lw, None, Some(Activation::Silu))?,
+                composed::rope(&q, &cos, &sin, false)?,
+                composed::scaled_dot_product_attention(&q, &k, &k, &mask, 0.3)?,
+                composed::attention_qkv(&x.narrow(2, 0, 6)?, 2, &mask, 0.3)?,
+            ];
+            let mut total = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+            for (i, y) in outs.iter().enumerate() {
+                assert_eq!(y.dtype(), dtype, "{dtype:?} op {i}");
+                total = (total + y.to_dtype(DType::F32)?.sum_all()?)?;
+            }
+            let ce = composed::cross_entropy(&x.narrow(2, 0, 5)?, &targets)?;
+            let lce = composed::linear_cross_entropy(&x, &lw, &targets)?;
+            assert_eq!((ce.dtype(), lce.dtype()), (DType::F32, DType::F32));
+            let grads = (total + ce + lce)?.backward()?;
+            for (i, v) in [&x, &w, &b, &q, &k, &lw].into_iter().enumerate() {
+                let g = grads.get(v.as_tensor()).expect("gradient");
+                assert_eq!(g.dtype(), dtype, "{dtype:?} gradient {i}");
+                let s = g
+                    .to_dtype(DType::F32)?
+                    .abs()?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
+                assert!(s.is_finite() && s > 0.0, "{dtype:?} gradient {i}: {s}");
+            }
+        }
+        Ok(())
+    }
+}
