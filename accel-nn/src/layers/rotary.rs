@@ -103,4 +103,21 @@ impl RotaryEmbedding {
         let sin = self.sin.narrow(0, offset, t)?;
         Ok((ops::rope(q, &cos, &sin)?, ops::rope(k, &cos, &sin)?))
     }
+
+    /// [`RotaryEmbedding::apply`] with interleaved pairs `(2i, 2i + 1)`
+    /// (GPT-J, GLM, the original RoFormer).
+    pub fn apply_interleaved(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        offset: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let t = q.dim(2)?;
+        let cos = self.cos.narrow(0, offset, t)?;
+        let sin = self.sin.narrow(0, offset, t)?;
+        Ok((
+            ops::rope_interleaved(q, &cos, &sin)?,
+            ops::rope_interleaved(k, &cos, &sin)?,
+        ))
+    }
 }
