@@ -5,6 +5,13 @@
 //! `ACCEL_BENCH_CANDLE_ADAMW=1` for candle's AdamW, `ACCEL_BENCH_NO_OPT=1`
 //! for forward + backward only). Prints one JSON object.
 //!
+//! On a 2-core machine run it (and any training job) with
+//! `CANDLE_NUM_THREADS=1`: candle 0.11 runs its CPU binary ops (including
+//! the `zeros + add` that backprop does for every gradient) on a spinning
+//! barrier pool of `CANDLE_NUM_THREADS - 1` workers, which competes with the
+//! rayon threads gemm and these kernels use. Measured here (noisy shared
+//! machine): MLP 79-95 -> 124-182 steps/s, GPT 2.6 -> 4.5 steps/s under load.
+//!
 //! ```text
 //! cargo run --release -p accel-nn --example bench_nn -- [mlp|gpt|all] [packed]
 //! ```
