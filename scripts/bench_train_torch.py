@@ -71,7 +71,7 @@ class Gpt(nn.Module):
         for blk in self.h:
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def adamw(model):

@@ -6,11 +6,11 @@
 //! compare with the PyTorch reference, but weights use the `[out, in]`
 //! layout of `nn.Linear` (GPT-2's `Conv1D` stores `[in, out]`).
 //!
-//! On CPU the hot spots run as fused kernels with hand-written backward
-//! passes (crate-private module `kernels`): layer norm, every linear layer
-//! together with its bias and GELU, the whole causal attention from the
-//! fused `qkv` projection to the merged heads, and the tied `lm_head`
-//! together with the cross entropy. On other devices, or after
+//! Its ops are accel-nn's: on CPU they run as fused kernels with
+//! hand-written backward passes (layer norm, every linear layer together
+//! with its bias and GELU, the whole causal attention from the fused `qkv`
+//! projection to the merged heads, and the tied `lm_head` together with the
+//! cross entropy). On other devices, or after
 //! [`Gpt::set_fused_kernels(false)`](Gpt::set_fused_kernels), the same maths
 //! is composed from stock candle ops. Both paths support training and
 //! agree to float rounding (see the tests).
@@ -20,11 +20,10 @@ use std::sync::Arc;
 
 use accel_core::nn::block::{Activations, AnyBlock, Block, BlockForward, Model};
 use accel_core::rng::SplitMix64;
-use candle_core::{DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
-use crate::kernels::{self, Activation};
-use crate::nn::{dense, layer_norm, matmul};
+use accel_core::nn::ops::{self, composed, Activation, AttentionMask};
 
 /// Layer-norm epsilon of GPT-2.
 const LN_EPS: f64 = 1e-5;
@@ -115,9 +114,24 @@ fn ln_params(vb: &VarBuilder, d: usize) -> Result<(Tensor, Tensor)> {
 
 fn ln(fused: bool, x: &Tensor, (w, b): &(Tensor, Tensor)) -> Result<Tensor> {
     if fused {
-        kernels::layer_norm(x, w, b, LN_EPS)
+        ops::layer_norm(x, w, Some(b), LN_EPS)
     } else {
-        layer_norm(x, w, b, LN_EPS)
+        composed::layer_norm(x, w, Some(b), LN_EPS)
+    }
+}
+
+/// `act(x @ w^T + b)`: accel-nn's op (fused on CPU), or the composed candle ops.
+fn dense(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    act: Option<Activation>,
+    fused: bool,
+) -> Result<Tensor> {
+    if fused {
+        ops::linear(x, w, b, act)
+    } else {
+        composed::linear(x, w, b, act)
     }
 }
 
@@ -160,8 +174,6 @@ impl BlockForward for PositionEmbedding {
 struct GptBlock {
     cfg: GptConfig,
     fused: Fused,
-    /// Additive causal mask for the composed path (shared by all blocks).
-    mask: Tensor,
     ln_1: (Tensor, Tensor),
     c_attn: (Tensor, Tensor),
     attn_proj: (Tensor, Tensor),
@@ -171,7 +183,7 @@ struct GptBlock {
 }
 
 impl GptBlock {
-    fn new(cfg: GptConfig, fused: Fused, mask: Tensor, vb: VarBuilder) -> Result<Self> {
+    fn new(cfg: GptConfig, fused: Fused, vb: VarBuilder) -> Result<Self> {
         let d = cfg.n_embd;
         // GPT-2 scales the projections that write into the residual stream
         // by 1/sqrt(2 * n_layer) so its variance does not grow with depth.
@@ -179,7 +191,6 @@ impl GptBlock {
         Ok(Self {
             cfg,
             fused,
-            mask,
             ln_1: ln_params(&vb.pp("ln_1"), d)?,
             c_attn: linear_params(&vb.pp("attn").pp("c_attn"), d, 3 * d, INIT_STD)?,
             attn_proj: linear_params(&vb.pp("attn").pp("c_proj"), d, d, proj_std)?,
@@ -190,56 +201,42 @@ impl GptBlock {
     }
 
     fn fused(&self) -> bool {
-        self.fused.load(Ordering::Relaxed) && self.mask.device().is_cpu()
+        self.fused.load(Ordering::Relaxed) && self.ln_1.0.device().is_cpu()
     }
 
-    fn dense(&self, x: &Tensor, (w, b): &(Tensor, Tensor), act: Activation) -> Result<Tensor> {
+    fn dense(
+        &self,
+        x: &Tensor,
+        (w, b): &(Tensor, Tensor),
+        act: Option<Activation>,
+    ) -> Result<Tensor> {
         dense(x, w, Some(b), act, self.fused())
     }
 
-    /// Causal multi-head self-attention of `h [B * T, d]`.
-    fn attention(&self, h: &Tensor, b: usize, t: usize) -> Result<Tensor> {
+    /// Causal multi-head self-attention of `h [B, T, d]`, straight from the
+    /// fused `qkv` projection (one gemm instead of three).
+    fn attention(&self, h: &Tensor) -> Result<Tensor> {
         let (d, nh) = (self.cfg.n_embd, self.cfg.n_head);
-        let hd = d / nh;
-        // One projection for q, k and v together: one gemm instead of three.
-        let qkv = self.dense(h, &self.c_attn, Activation::None)?;
+        let qkv = self.dense(h, &self.c_attn, None)?;
+        let scale = 1.0 / ((d / nh) as f64).sqrt();
+        let causal = AttentionMask::Causal { offset: 0 };
         let y = if self.fused() {
-            kernels::causal_attention(&qkv, b, t, nh)?
+            ops::attention_qkv(&qkv, nh, &causal, scale)?
         } else {
-            // Split heads with a single copy, [B, T, 3, H, hd] ->
-            // [3, B, H, T, hd], so q, k and v are contiguous slices that gemm
-            // takes without further copies.
-            let qkv = qkv
-                .reshape((b, t, 3, nh, hd))?
-                .permute((2, 0, 3, 1, 4))?
-                .contiguous()?;
-            let (q, k, v) = (qkv.get(0)?, qkv.get(1)?, qkv.get(2)?);
-            let scale = 1.0 / (hd as f64).sqrt();
-            let att = (matmul(&q, &k.t()?)? * scale)?;
-            let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-            let att = candle_nn::ops::softmax(&att.broadcast_add(&mask)?, D::Minus1)?;
-            // [B, H, T, hd] -> [B, T, H, hd] -> [B * T, d]
-            matmul(&att, &v)?
-                .transpose(1, 2)?
-                .contiguous()?
-                .reshape((b * t, d))?
+            composed::attention_qkv(&qkv, nh, &causal, scale)?
         };
-        self.dense(&y, &self.attn_proj, Activation::None)
+        self.dense(&y, &self.attn_proj, None)
     }
 }
 
 impl BlockForward for GptBlock {
     fn forward(&self, x: &Activations) -> Result<Tensor> {
-        let (b, t, d) = x.hidden.dims3()?;
         let fused = self.fused();
-        let x2 = x.hidden.reshape((b * t, d))?;
-        let h = ln(fused, &x2, &self.ln_1)?;
-        let a = self.attention(&h, b, t)?;
-        let x2 = (x2 + a)?;
-        let h = ln(fused, &x2, &self.ln_2)?;
-        let h = self.dense(&h, &self.c_fc, Activation::Gelu)?;
-        let h = self.dense(&h, &self.mlp_proj, Activation::None)?;
-        (x2 + h)?.reshape((b, t, d))
+        let h = ln(fused, &x.hidden, &self.ln_1)?;
+        let x = (&x.hidden + self.attention(&h)?)?;
+        let h = ln(fused, &x, &self.ln_2)?;
+        let h = self.dense(&h, &self.c_fc, Some(Activation::GeluTanh))?;
+        x + self.dense(&h, &self.mlp_proj, None)?
     }
 }
 
@@ -259,18 +256,9 @@ impl BlockForward for Head {
         let fused = self.fused.load(Ordering::Relaxed) && self.wte.device().is_cpu();
         let h = ln(fused, &x.hidden.reshape((b * t, d))?, &self.ln_f)?;
         match &x.labels {
-            Some(targets) if fused => {
-                kernels::linear_cross_entropy(&h, &self.wte, &targets.flatten_all()?)
-            }
-            Some(targets) => {
-                let logits = dense(&h, &self.wte, None, Activation::None, false)?;
-                crate::nn::cross_entropy(&logits, &targets.flatten_all()?)
-            }
-            None => dense(&h, &self.wte, None, Activation::None, fused)?.reshape((
-                b,
-                t,
-                self.wte.dim(0)?,
-            )),
+            Some(y) if fused => ops::linear_cross_entropy(&h, &self.wte, &y.flatten_all()?),
+            Some(y) => composed::linear_cross_entropy(&h, &self.wte, &y.flatten_all()?),
+            None => dense(&h, &self.wte, None, None, fused)?.reshape((b, t, self.wte.dim(0)?)),
         }
     }
 }
@@ -326,7 +314,6 @@ impl Gpt {
             stdev: INIT_STD,
         };
         let fused: Fused = Arc::new(AtomicBool::new(vb.device().is_cpu()));
-        let mask = causal_mask(cfg.block_size, vb.dtype(), vb.device())?;
         let (v, n) = (cfg.vocab_size, cfg.block_size);
         let wte = block(&vb, "wte", "Embedding", move |vb| {
             Ok(TokenEmbedding {
@@ -340,9 +327,9 @@ impl Gpt {
         })?;
         let blocks = (0..cfg.n_layer)
             .map(|i| {
-                let (f, m) = (fused.clone(), mask.clone());
+                let f = fused.clone();
                 block(&vb, &format!("h.{i}"), "GPT2Block", move |vb| {
-                    GptBlock::new(cfg, f.clone(), m.clone(), vb)
+                    GptBlock::new(cfg, f.clone(), vb)
                 })
             })
             .collect::<Result<_>>()?;
@@ -466,15 +453,6 @@ fn sample(logits: &[f32], temperature: f64, rng: &mut SplitMix64) -> u32 {
     }
     // Rounding can leave a sliver of mass unassigned; give it to the mode.
     argmax as u32
-}
-
-/// `[n, n]` additive mask: 0 where key <= query, -inf where the key lies in
-/// the future, so `softmax(att + mask)` gives future keys zero weight.
-fn causal_mask(n: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
-    let data: Vec<f32> = (0..n)
-        .flat_map(|i| (0..n).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-        .collect();
-    Tensor::from_vec(data, (n, n), dev)?.to_dtype(dtype)
 }
 
 #[cfg(test)]

@@ -11,10 +11,9 @@
 #![warn(missing_docs)]
 
 pub mod gpt;
-mod kernels;
 pub mod mlp;
 pub mod mnist_like;
-mod nn;
+pub mod stock;
 
 pub mod text;
 

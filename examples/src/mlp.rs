@@ -8,21 +8,24 @@ use accel_core::nn::block::{Activations, AnyBlock, Block, BlockForward, Model};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::kernels::Activation;
-use crate::nn;
+use accel_core::nn::ops::{self, composed, Activation};
 
 /// One layer `layers.{i}`: `act(x @ w^T + b)`.
 struct Dense {
     w: Tensor,
     b: Tensor,
-    act: Activation,
+    act: Option<Activation>,
     fused: Arc<AtomicBool>,
 }
 
 impl BlockForward for Dense {
     fn forward(&self, x: &Activations) -> Result<Tensor> {
         let fused = self.fused.load(Ordering::Relaxed) && self.w.device().is_cpu();
-        nn::dense(&x.hidden, &self.w, Some(&self.b), self.act, fused)
+        if fused {
+            ops::linear(&x.hidden, &self.w, Some(&self.b), self.act)
+        } else {
+            composed::linear(&x.hidden, &self.w, Some(&self.b), self.act)
+        }
     }
 }
 
@@ -62,11 +65,7 @@ impl Mlp {
             .enumerate()
             .map(|(i, io)| {
                 let (inp, out, fused) = (io[0], io[1], fused.clone());
-                let act = if i + 1 < n {
-                    Activation::Relu
-                } else {
-                    Activation::None
-                };
+                let act = (i + 1 < n).then_some(Activation::Relu);
                 let name = format!("layers.{i}");
                 Ok(Block::new(&vb, &name, "Linear", move |vb| {
                     let l = candle_nn::linear(inp, out, vb)?;
@@ -106,7 +105,7 @@ impl Mlp {
     /// Mean cross entropy of the logits for `x` against `labels [batch]`
     /// (u32 class ids), computed in f32 whatever the parameter dtype.
     pub fn loss(&self, x: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        nn::cross_entropy(&self.forward(x)?, labels)
+        ops::cross_entropy(&self.forward(x)?, labels)
     }
 }
 

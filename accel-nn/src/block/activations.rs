@@ -4,49 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{Device, Tensor};
 
-/// The keys and values a block's attention has seen so far (inference with a
-/// KV cache). One per attention block; a model hands block `i` its slot
-/// through [`Activations::cache`].
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    kv: Option<(Tensor, Tensor)>,
-}
-
-impl KvCache {
-    /// An empty cache.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Appends `k` and `v` (`[b, kv_heads, t, head_dim]`) along the sequence
-    /// dimension and returns all keys and values seen so far.
-    ///
-    /// # Errors
-    /// Shapes that do not concatenate.
-    pub fn append(&mut self, k: &Tensor, v: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
-        let (k, v) = match &self.kv {
-            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?),
-            None => (k.clone(), v.clone()),
-        };
-        self.kv = Some((k.clone(), v.clone()));
-        Ok((k, v))
-    }
-
-    /// How many positions the cache holds.
-    pub fn len(&self) -> usize {
-        self.kv.as_ref().map_or(0, |(k, _)| k.dim(2).unwrap_or(0))
-    }
-
-    /// Whether the cache holds nothing.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Forgets everything (a new sequence).
-    pub fn reset(&mut self) {
-        self.kv = None;
-    }
-}
+use crate::layers::KvCache;
 
 /// A shared handle on one block's [`KvCache`].
 pub type KvCacheSlot = Arc<Mutex<KvCache>>;

@@ -25,7 +25,8 @@ mod model;
 mod module;
 mod record;
 
-pub use activations::{Activations, KvCache, KvCacheSlot};
+pub use crate::layers::KvCache;
+pub use activations::{Activations, KvCacheSlot};
 pub use checkpoint::{apply_activation_checkpointing, CheckpointHook};
 pub use model::{Model, Sequential};
 pub use module::{AnyBlock, Block, BlockForward, BuildFn, ForwardFn};

@@ -27,7 +27,7 @@ use candle_core::Tensor;
 use crate::block::{Activations, AnyBlock, ForwardFn};
 use crate::{Error, Result};
 
-/// Callbacks run around a [`HookedModule`]'s forward (Accelerate's `ModelHook`).
+/// Callbacks run around a [`Block`](crate::block::Block)'s forward (Accelerate's `ModelHook`).
 ///
 /// Every method has a do-nothing default, so a hook implements only what it needs.
 pub trait ModelHook: Send {
