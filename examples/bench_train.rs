@@ -1,15 +1,26 @@
-//! Training throughput through the Accelerator versus raw candle loops, on
-//! the MLP (784-512-512-10, batch 64) and the GPT (vocab 4096, d 256, 4
-//! layers, 4 heads, seq 128, batch 8), all AdamW, measured side by side.
+//! Training throughput, side by side in one run, on the MLP (784-512-512-10,
+//! batch 64) and the GPT (vocab 4096, d 256, 4 layers, 4 heads, seq 128,
+//! batch 8), all AdamW (lr 1e-3, weight decay 0.01):
 //!
-//! Three loops run the same model code on the same batches:
-//! - `raw_candle`: `loss.backward()` + `candle_nn::AdamW::step` (what a candle user writes);
-//! - `raw_fused`: `loss.backward()` + the fused `accel_kernels::adamw_step`;
-//! - `accelerator`: `Accelerator::accumulate` / `backward` / prepared optimizer.
+//! - `candle_nn`: the model on stock candle-nn layers (`accel_examples::stock`)
+//!   with `candle_nn::AdamW`, what a candle user writes today (candle's
+//!   AdamW decays every parameter);
+//! - `accel_nn`: the same model on accel-nn, raw loop: `loss.backward()` and
+//!   the fused `accel_kernels::adamw_step`, no decay on biases and norm
+//!   weights (transformers' rule);
+//! - `accelerator`: the accel-nn model through the Accelerator (`prepare`,
+//!   `accumulate`, `backward`, prepared AdamW with the same rule);
+//! - `torch`: `scripts/bench_train_torch.py`, the same models and AdamW rule in
+//!   PyTorch on 2 threads, run in the middle of this run when `import torch`
+//!   works.
 //!
-//! `overhead_pct` compares `accelerator` with `raw_fused` (same optimizer
-//! maths), so it measures only what the Accelerator adds. Rounds alternate
-//! between loops so machine noise hits each alike; the median round is reported.
+//! `overhead_pct` compares `accelerator` with `accel_nn` (same model, same
+//! optimizer maths), so it measures only what the Accelerator adds. Rounds
+//! alternate between loops so machine noise hits each alike; the median
+//! round is reported. candle's CPU binary ops run on a spinning thread pool
+//! that competes with rayon's (gemm and the fused kernels) on small
+//! machines, so the bench sets `CANDLE_NUM_THREADS=1` for every row unless
+//! it is set (reported as `candle_num_threads`).
 //!
 //! ```text
 //! cargo run --release --example bench_train -- --json
@@ -17,9 +28,10 @@
 
 use std::time::Instant;
 
-use accel_core::optim::{AdamW, AdamWConfig};
+use accel_core::optim::{transformers_no_decay, AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
 use accel_examples::mnist_like::synthetic_classification;
+use accel_examples::stock::{StockGpt, StockMlp};
 use accel_examples::text::synthetic_tokens;
 use accel_examples::{Gpt, GptConfig, Mlp};
 use anyhow::Result;
@@ -45,17 +57,44 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let mut out = serde_json::Map::new();
-    if args.only == "all" || args.only == "mlp" {
-        out.insert("mlp_784_512_512_10_b64".into(), bench(&args, Kind::Mlp)?);
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        // Before any candle op: the pool reads it once.
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
     }
-    if args.only == "all" || args.only == "gpt" {
-        out.insert(
-            "gpt_v4096_d256_l4_h4_t128_b8".into(),
-            bench(&args, Kind::Gpt)?,
-        );
+    let mut out = serde_json::Map::new();
+    // PyTorch runs once, between the two workloads' rounds, on the same machine.
+    let mlp = args.only == "all" || args.only == "mlp";
+    let gpt = args.only == "all" || args.only == "gpt";
+    let mut torch = None;
+    if mlp {
+        let m = bench(&args, Kind::Mlp, None)?;
+        torch = torch_rates(args.rounds);
+        out.insert(MLP.into(), m);
+    }
+    if gpt {
+        if torch.is_none() {
+            torch = torch_rates(args.rounds);
+        }
+        let rate = torch.as_ref().and_then(|t| t[GPT].as_f64());
+        out.insert(GPT.into(), bench(&args, Kind::Gpt, rate)?);
+    }
+    if let (Some(t), Some(serde_json::Value::Object(m))) = (&torch, out.get_mut(MLP)) {
+        if let Some(rate) = t[MLP].as_f64() {
+            let accel = m["accel_nn_steps_per_s"].as_f64().unwrap_or(0.0);
+            m.insert("torch_steps_per_s".into(), rounded(rate));
+            m.insert("accel_nn_vs_torch".into(), rounded(accel / rate));
+        }
+    }
+    if let Some(t) = &torch {
+        out.insert("torch_version".into(), t["torch_version"].clone());
     }
     out.insert("threads".into(), rayon_threads().into());
+    out.insert(
+        "candle_num_threads".into(),
+        std::env::var("CANDLE_NUM_THREADS")
+            .unwrap_or_default()
+            .into(),
+    );
     let json = serde_json::Value::Object(out);
     if args.json {
         println!("{json}");
@@ -71,42 +110,56 @@ fn rayon_threads() -> usize {
         .unwrap_or(1)
 }
 
+const MLP: &str = "mlp_784_512_512_10_b64";
+const GPT: &str = "gpt_v4096_d256_l4_h4_t128_b8";
+
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
     Mlp,
     Gpt,
 }
 
-/// Builds the model with `vb` and returns a closure computing the loss of batch `i`.
 /// The loss of batch `i` of a workload.
 type LossFn = Box<dyn Fn(usize) -> Result<Tensor>>;
 
-fn build(kind: Kind, vb: VarBuilder, dtype: DType) -> Result<LossFn> {
+/// The fixed batches of a workload and a loss over them for `model`.
+fn batches<M: 'static>(
+    kind: Kind,
+    dtype: DType,
+    model: M,
+    loss: impl Fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor> + 'static,
+) -> Result<LossFn> {
     let dev = Device::Cpu;
-    match kind {
+    let (x, y, n) = match kind {
         Kind::Mlp => {
-            let model = Mlp::new(&[784, 512, 512, 10], vb)?;
             let (x, y) = synthetic_classification(64 * 8, 784, 10, 7);
             let x = Tensor::from_vec(x, (8, 64, 784), &dev)?.to_dtype(dtype)?;
-            let y = Tensor::from_vec(y, (8, 64), &dev)?;
-            let f = move |i: usize| -> Result<Tensor> {
-                let k = i % 8;
-                Ok(model.loss(&x.get(k)?, &y.get(k)?)?)
-            };
-            Ok(Box::new(f))
+            (x, Tensor::from_vec(y, (8, 64), &dev)?, 8)
         }
         Kind::Gpt => {
             let cfg = GptConfig::bench();
-            let model = Gpt::new(cfg, vb)?;
             let toks = synthetic_tokens(4 * 8 * 129, cfg.vocab_size, 11);
             let t = Tensor::from_vec(toks, (4, 8, 129), &dev)?;
             let x = t.narrow(2, 0, 128)?.contiguous()?;
-            let y = t.narrow(2, 1, 128)?.contiguous()?;
-            let f = move |i: usize| -> Result<Tensor> {
-                let k = i % 4;
-                Ok(model.loss(&x.get(k)?, &y.get(k)?)?)
-            };
-            Ok(Box::new(f))
+            (x, t.narrow(2, 1, 128)?.contiguous()?, 4)
+        }
+    };
+    Ok(Box::new(move |i: usize| {
+        let k = i % n;
+        Ok(loss(&model, &x.get(k)?, &y.get(k)?)?)
+    }))
+}
+
+/// The workload's model on accel-nn (the examples' `Mlp` / `Gpt`).
+fn accel_nn_model(kind: Kind, vb: VarBuilder, dtype: DType) -> Result<LossFn> {
+    match kind {
+        Kind::Mlp => {
+            let m = Mlp::new(&[784, 512, 512, 10], vb)?;
+            batches(kind, dtype, m, |m, x, y| m.loss(x, y))
+        }
+        Kind::Gpt => {
+            let m = Gpt::new(GptConfig::bench(), vb)?;
+            batches(kind, dtype, m, |m, x, y| m.loss(x, y))
         }
     }
 }
@@ -114,54 +167,96 @@ fn build(kind: Kind, vb: VarBuilder, dtype: DType) -> Result<LossFn> {
 /// A loop that runs `n` optimizer steps and returns steps per second.
 type Loop = Box<dyn FnMut(usize) -> Result<f64>>;
 
-/// The model in f32 with candle's own initialisation, for the raw loops.
-fn raw_model(kind: Kind) -> Result<(VarMap, LossFn)> {
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
-    let loss = build(kind, vb, DType::F32)?;
-    Ok((varmap, loss))
-}
-
-fn raw_candle(kind: Kind) -> Result<Loop> {
-    let (varmap, loss) = raw_model(kind)?;
-    let mut opt = candle_nn::AdamW::new(varmap.all_vars(), candle_nn::ParamsAdamW::default())?;
+fn timed(mut step: impl FnMut(usize) -> Result<()> + 'static) -> Loop {
     let mut i = 0;
-    Ok(Box::new(move |n| {
+    Box::new(move |n| {
         let t = Instant::now();
         for _ in 0..n {
-            opt.backward_step(&loss(i)?)?;
+            step(i)?;
             i += 1;
         }
         Ok(n as f64 / t.elapsed().as_secs_f64())
-    }))
+    })
 }
 
-fn raw_fused(kind: Kind) -> Result<Loop> {
-    let (varmap, loss) = raw_model(kind)?;
-    let vars: Vec<Var> = varmap.all_vars();
-    let zeros = |v: &Var| Tensor::zeros(v.shape(), DType::F32, &Device::Cpu);
-    let ms = vars
-        .iter()
-        .map(zeros)
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let vs = vars
-        .iter()
-        .map(zeros)
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let params: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let hp = accel_core::kernels::AdamWParams {
-        lr: 1e-3,
-        beta1: 0.9,
-        beta2: 0.999,
-        eps: 1e-8,
-        weight_decay: 0.01,
+const LR: f64 = 1e-3;
+const WEIGHT_DECAY: f64 = 0.01;
+
+fn candle_nn_loop(kind: Kind) -> Result<Loop> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let loss = match kind {
+        Kind::Mlp => batches(
+            kind,
+            DType::F32,
+            StockMlp::new(&[784, 512, 512, 10], vb)?,
+            |m, x, y| m.loss(x, y),
+        )?,
+        Kind::Gpt => batches(
+            kind,
+            DType::F32,
+            StockGpt::new(GptConfig::bench(), vb)?,
+            |m, x, y| m.loss(x, y),
+        )?,
     };
-    let (mut i, mut step) = (0, 0u64);
-    Ok(Box::new(move |n| {
-        let t = Instant::now();
-        for _ in 0..n {
-            let grads = loss(i)?.backward()?;
-            let g: Vec<Tensor> = params
+    let params = candle_nn::ParamsAdamW {
+        lr: LR,
+        weight_decay: WEIGHT_DECAY,
+        ..Default::default()
+    };
+    let mut opt = candle_nn::AdamW::new(varmap.all_vars(), params)?;
+    Ok(timed(move |i| Ok(opt.backward_step(&loss(i)?)?)))
+}
+
+/// One parameter group of the raw loop: tensors with their moment buffers.
+struct Group {
+    params: Vec<Tensor>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+    hp: accel_core::kernels::AdamWParams,
+}
+
+fn accel_nn_loop(kind: Kind) -> Result<Loop> {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let loss = accel_nn_model(kind, vb, DType::F32)?;
+    // transformers' grouping, as the Accelerator's AdamW below applies it.
+    let mut named: Vec<(String, Var)> = varmap.data().lock().unwrap().clone().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let group = |no_decay: bool| -> Result<Group> {
+        let params: Vec<Tensor> = named
+            .iter()
+            .filter(|(n, _)| transformers_no_decay(n) == no_decay)
+            .map(|(_, v)| v.as_tensor().clone())
+            .collect();
+        let zeros = |p: &Tensor| p.zeros_like();
+        Ok(Group {
+            m: params
+                .iter()
+                .map(zeros)
+                .collect::<candle_core::Result<_>>()?,
+            v: params
+                .iter()
+                .map(zeros)
+                .collect::<candle_core::Result<_>>()?,
+            params,
+            hp: accel_core::kernels::AdamWParams {
+                lr: LR,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: if no_decay { 0.0 } else { WEIGHT_DECAY },
+            },
+        })
+    };
+    let groups = [group(false)?, group(true)?];
+    let mut step = 0u64;
+    Ok(timed(move |i| {
+        let grads = loss(i)?.backward()?;
+        step += 1;
+        for g in &groups {
+            let gs: Vec<Tensor> = g
+                .params
                 .iter()
                 .map(|p| {
                     grads
@@ -170,39 +265,77 @@ fn raw_fused(kind: Kind) -> Result<Loop> {
                         .clone()
                 })
                 .collect();
-            step += 1;
-            accel_core::kernels::adamw_step(&params, &g, &ms, &vs, step, &hp)?;
-            i += 1;
+            accel_core::kernels::adamw_step(&g.params, &gs, &g.m, &g.v, step, &g.hp)?;
         }
-        Ok(n as f64 / t.elapsed().as_secs_f64())
+        Ok(())
     }))
 }
 
-fn accelerated(kind: Kind, precision: PrecisionType) -> Result<Loop> {
+fn accelerator_loop(kind: Kind, precision: PrecisionType) -> Result<Loop> {
     let mut acc = Accelerator::new(
         AcceleratorConfig::default()
             .with_seed(0)
             .with_mixed_precision(precision)
             .with_device(Device::Cpu),
     )?;
-    let varmap = VarMap::new();
-    let loss = build(kind, acc.var_builder(&varmap), acc.compute_dtype())?;
-    let model = acc.prepare_model(&varmap)?;
-    let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig::default()));
-    let mut i = 0;
-    Ok(Box::new(move |n| {
-        let t = Instant::now();
-        for _ in 0..n {
-            acc.accumulate(|acc| {
-                acc.backward(&loss(i).map_err(|e| accel_core::Error::Usage(e.to_string()))?)?;
-                opt.step()?;
-                opt.zero_grad();
-                Ok(())
-            })?;
-            i += 1;
+    let dtype = acc.compute_dtype();
+    let (loss, params) = match kind {
+        Kind::Mlp => {
+            let (m, p) = acc.prepare(|vb| Mlp::new(&[784, 512, 512, 10], vb))?;
+            (batches(kind, dtype, m, |m, x, y| m.loss(x, y))?, p)
         }
-        Ok(n as f64 / t.elapsed().as_secs_f64())
+        Kind::Gpt => {
+            let (m, p) = acc.prepare(|vb| Gpt::new(GptConfig::bench(), vb))?;
+            (batches(kind, dtype, m, |m, x, y| m.loss(x, y))?, p)
+        }
+    };
+    let config = AdamWConfig {
+        lr: LR,
+        weight_decay: WEIGHT_DECAY,
+        ..Default::default()
+    };
+    let mut opt = acc.prepare_optimizer(
+        &params,
+        AdamW::new(config).with_no_decay(transformers_no_decay),
+    );
+    Ok(timed(move |i| {
+        acc.accumulate(|acc| {
+            // `accumulate` wants accel-core's error; the loss closure gives anyhow's.
+            let loss = loss(i).map_err(|e| accel_core::Error::Usage(e.to_string()))?;
+            acc.backward(&loss)?;
+            opt.step()?;
+            opt.zero_grad();
+            Ok(())
+        })?;
+        Ok(())
     }))
+}
+
+/// PyTorch's steps/s per workload from the repo's script, when torch imports.
+fn torch_rates(rounds: usize) -> Option<serde_json::Value> {
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../scripts/bench_train_torch.py"
+    );
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import torch"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        return None;
+    }
+    let out = std::process::Command::new("python3")
+        .args([
+            script,
+            "--json",
+            "--rounds",
+            &rounds.to_string(),
+            "--threads",
+            "2",
+        ])
+        .output()
+        .ok()?;
+    serde_json::from_slice(&out.stdout).ok()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -210,20 +343,24 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn bench(args: &Args, kind: Kind) -> Result<serde_json::Value> {
+fn rounded(x: f64) -> serde_json::Value {
+    serde_json::json!((x * 100.0).round() / 100.0)
+}
+
+fn bench(args: &Args, kind: Kind, torch: Option<f64>) -> Result<serde_json::Value> {
     let steps = match kind {
         Kind::Mlp => 60,
         Kind::Gpt => 3,
     };
     let mut loops: Vec<(&str, Loop)> = vec![
-        ("raw_candle", raw_candle(kind)?),
-        ("raw_fused", raw_fused(kind)?),
-        ("accelerator", accelerated(kind, PrecisionType::No)?),
+        ("candle_nn", candle_nn_loop(kind)?),
+        ("accel_nn", accel_nn_loop(kind)?),
+        ("accelerator", accelerator_loop(kind, PrecisionType::No)?),
     ];
     if args.mixed_precision != PrecisionType::No {
         loops.push((
             "accelerator_mixed",
-            accelerated(kind, args.mixed_precision)?,
+            accelerator_loop(kind, args.mixed_precision)?,
         ));
     }
     // Warm-up: first steps allocate and fault in pages.
@@ -239,22 +376,22 @@ fn bench(args: &Args, kind: Kind) -> Result<serde_json::Value> {
     let mut obj = serde_json::Map::new();
     let mut med = std::collections::HashMap::new();
     for ((name, _), r) in loops.iter().zip(rates) {
-        let m = median(r.clone());
+        let m = median(r);
         med.insert(*name, m);
-        obj.insert(
-            format!("{name}_steps_per_s"),
-            serde_json::json!((m * 100.0).round() / 100.0),
-        );
+        obj.insert(format!("{name}_steps_per_s"), rounded(m));
     }
-    let overhead = (med["raw_fused"] / med["accelerator"] - 1.0) * 100.0;
     obj.insert(
         "overhead_pct".into(),
-        serde_json::json!((overhead * 100.0).round() / 100.0),
+        rounded((med["accel_nn"] / med["accelerator"] - 1.0) * 100.0),
     );
     obj.insert(
-        "speedup_vs_raw_candle".into(),
-        serde_json::json!((med["accelerator"] / med["raw_candle"] * 100.0).round() / 100.0),
+        "accel_nn_vs_candle_nn".into(),
+        rounded(med["accel_nn"] / med["candle_nn"]),
     );
+    if let Some(t) = torch {
+        obj.insert("torch_steps_per_s".into(), rounded(t));
+        obj.insert("accel_nn_vs_torch".into(), rounded(med["accel_nn"] / t));
+    }
     if args.mixed_precision != PrecisionType::No {
         obj.insert(
             "mixed_precision".into(),

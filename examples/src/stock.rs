@@ -153,3 +153,43 @@ impl StockGpt {
         candle_nn::loss::cross_entropy(&logits, &targets.flatten_all()?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_nn::VarMap;
+
+    /// The stock models are fair baselines only if they train every weight.
+    #[test]
+    fn stock_models_get_a_gradient_for_every_parameter() -> Result<()> {
+        let cfg = GptConfig {
+            vocab_size: 11,
+            n_embd: 16,
+            n_layer: 2,
+            n_head: 2,
+            block_size: 8,
+        };
+        let map = VarMap::new();
+        let gpt = StockGpt::new(cfg, VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu))?;
+        let ids = Tensor::new(&[[1u32, 2, 3, 4], [5, 6, 7, 8]], &Device::Cpu)?;
+        let grads = gpt.loss(&ids, &ids)?.backward()?;
+        let vars = map.all_vars();
+        assert_eq!(vars.len(), 2 + 2 + 2 * 12);
+        assert!(vars.iter().all(|v| grads.get(v.as_tensor()).is_some()));
+
+        let map = VarMap::new();
+        let mlp = StockMlp::new(
+            &[8, 4, 3],
+            VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu),
+        )?;
+        let x = Tensor::ones((2, 8), DType::F32, &Device::Cpu)?;
+        let grads = mlp
+            .loss(&x, &Tensor::new(&[0u32, 2], &Device::Cpu)?)?
+            .backward()?;
+        assert!(map
+            .all_vars()
+            .iter()
+            .all(|v| grads.get(v.as_tensor()).is_some()));
+        Ok(())
+    }
+}
