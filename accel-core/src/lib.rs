@@ -40,5 +40,5 @@ pub use trainer::{
 
 pub use accel_bigmodel as bigmodel;
 pub use accel_dist as dist;
-pub use accel_nn as nn;
 pub use accel_kernels as kernels;
+pub use accel_nn as nn;

@@ -86,7 +86,8 @@ impl Accelerator {
     /// An Accelerator for this process, reading its rank from the launcher's
     /// environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`).
     pub fn new(config: AcceleratorConfig) -> Result<Self> {
-        // `accel launch --mixed_precision` exports ACCELERATE_MIXED_PRECISION.
+        // `accel launch --mixed_precision` exports ACCELERATE_MIXED_PRECISION;
+        // an explicit choice in `config` wins over it.
         let mut config = config.with_env_precision()?;
         if config.fsdp.is_none() {
             config.fsdp = FullyShardedDataParallelPlugin::from_env()?;
@@ -120,7 +121,7 @@ impl Accelerator {
                 reason: "must be at least 1".into(),
             });
         }
-        let scaler = (config.mixed_precision == PrecisionType::Fp16)
+        let scaler = (config.precision() == PrecisionType::Fp16)
             .then(|| Arc::new(Mutex::new(GradScaler::new(config.scaler))));
         let seed = config.seed.unwrap_or_else(clock_seed);
         Ok(Self {
@@ -189,12 +190,12 @@ impl Accelerator {
 
     /// The precision mode.
     pub fn mixed_precision(&self) -> PrecisionType {
-        self.config.mixed_precision
+        self.config.precision()
     }
 
     /// The dtype models compute in (bf16/f16 under mixed precision, else f32).
     pub fn compute_dtype(&self) -> DType {
-        self.config.mixed_precision.compute_dtype()
+        self.config.precision().compute_dtype()
     }
 
     /// Prints on the main process only.
