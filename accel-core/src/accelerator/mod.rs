@@ -7,6 +7,7 @@
 mod checkpointing;
 mod config;
 mod ops;
+mod seeding;
 mod sharded;
 
 pub use config::{AcceleratorConfig, ProjectConfiguration};
@@ -123,11 +124,14 @@ impl Accelerator {
         }
         let scaler = (config.precision() == PrecisionType::Fp16)
             .then(|| Arc::new(Mutex::new(GradScaler::new(config.scaler))));
-        let seed = config.seed.unwrap_or_else(clock_seed);
+        let comm = group.communicator();
+        // Every rank shuffles with one seed (rank 0's clock when unseeded).
+        let seed = seeding::shared_seed(config.seed, &*comm)?;
+        seeding::seed_device(&state.device, seed);
         Ok(Self {
             grad_state: GradientState::new(config.gradient_accumulation),
             state,
-            comm: group.communicator(),
+            comm,
             _group: group,
             buckets: vec![],
             scaler,
@@ -217,25 +221,6 @@ impl Accelerator {
 
     fn comm(&self) -> &dyn Communicator {
         &*self.comm
-    }
-
-    // === seeding ===
-
-    /// Seeds parameter initialisation, data order and [`Accelerator::rng`].
-    pub fn set_seed(&mut self, seed: u64) {
-        self.seed = seed;
-        self.rng = SplitMix64::new(seed);
-    }
-
-    /// The seed in use.
-    pub fn seed(&self) -> u64 {
-        self.seed
-    }
-
-    /// A generator for user randomness (dropout masks, augmentation) whose
-    /// state `save_state` stores, so a resumed run draws the same numbers.
-    pub fn rng(&mut self) -> &mut SplitMix64 {
-        &mut self.rng
     }
 
     // === preparing ===
@@ -486,11 +471,4 @@ fn default_device() -> Result<Device> {
         }
     }
     Ok(Device::Cpu)
-}
-
-fn clock_seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }
