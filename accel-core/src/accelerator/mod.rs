@@ -128,6 +128,13 @@ impl Accelerator {
         // Every rank shuffles with one seed (rank 0's clock when unseeded).
         let seed = seeding::shared_seed(config.seed, &*comm)?;
         seeding::seed_device(&state.device, seed);
+        if let Some(plugin) = &config.fsdp {
+            if state.is_main_process() {
+                for warning in plugin.inert_settings(&state.device) {
+                    tracing::warn!("{warning}");
+                }
+            }
+        }
         Ok(Self {
             grad_state: GradientState::new(config.gradient_accumulation),
             state,
@@ -242,7 +249,12 @@ impl Accelerator {
 
     /// Prepares the parameters in `varmap` for training: fp32 master copies
     /// for parameters held in a lower precision, and gradient buffers.
+    ///
+    /// # Errors
+    /// [`Error::Config`] under an FSDP plugin at more than one rank (see
+    /// [`Accelerator::prepare_fsdp_model`]); candle or collective errors.
     pub fn prepare_model(&mut self, varmap: &VarMap) -> Result<PreparedModel> {
+        self.check_plain_model_allowed()?;
         let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
         let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         drop(data);
