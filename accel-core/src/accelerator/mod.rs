@@ -396,8 +396,11 @@ impl Accelerator {
             m.collect_gradients(&grads)?;
         }
         drop(grads);
-        // DDP averages at the end of an accumulation cycle only (no_sync before).
-        if self.num_processes() > 1 && self.sync_gradients() {
+        // DDP averages at the end of an accumulation cycle only (no_sync
+        // before), or on every micro-batch with `sync_each_batch`: averaging
+        // the accumulated buffer again keeps the already averaged part.
+        let reduce_now = self.sync_gradients() || self.grad_state.plugin().sync_each_batch;
+        if self.num_processes() > 1 && reduce_now {
             for (m, b) in self.models.iter().zip(&self.buckets) {
                 let Some(b) = b else { continue };
                 m.all_reduce_grads(self.comm(), b, self.config.ddp.comm_hook)?;
