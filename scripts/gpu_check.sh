@@ -12,6 +12,7 @@
 #    plus the NVRTC-only source check;
 # 3. accel-dist/tests/nccl.rs: NCCL init + every collective (world 1; world 2 with 2 GPUs);
 #    accel-bigmodel: cpu_offload_with_hook evicts the previous model from the GPU;
+#    accel-core: set_seed seeds candle's CUDA generator;
 # 4. accel-kernels/examples/device_bench.rs: one JSON line, GB/s vs peak and vs memcpy.
 # After the build the steps take well under 10 minutes (each is bounded by `timeout`).
 # The CUDA/NCCL tests are #[ignore]d in ordinary runs and run here with --include-ignored;
@@ -62,6 +63,7 @@ fi
 run_step nccl-test 180 cargo test "${PKGS[@]}" --test nccl -- --include-ignored "${NCCL_SKIP[@]}" --nocapture --test-threads=1
 run_step unit-tests 240 cargo test "${PKGS[@]}" --lib -- --include-ignored
 run_step bigmodel-test 900 cargo test -p accel-bigmodel --features cuda --release --lib cpu_offload_with_hook -- --include-ignored
+run_step core-test 900 cargo test -p accel-core --features cuda --release --lib set_seed_makes_cuda_randn_repeat -- --include-ignored
 BENCH_JSON="$CARGO_TARGET_DIR/device_bench.json"
 run_step device-bench 180 bash -c "'$CARGO_TARGET_DIR/release/examples/device_bench' | tee '$BENCH_JSON'"
 

@@ -170,4 +170,22 @@ mod tests {
         acc.synchronize_rng_states()?;
         Ok(())
     }
+
+    /// candle's CUDA generator takes the seed: `randn` repeats after `set_seed`.
+    #[test]
+    #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+    fn set_seed_makes_cuda_randn_repeat() -> Result<()> {
+        let dev = Device::new_cuda(0)?;
+        let mut acc = Accelerator::new(AcceleratorConfig::default().with_device(dev.clone()))?;
+        let draw = || -> Result<Vec<f32>> {
+            Ok(candle_core::Tensor::randn(0f32, 1.0, 64, &dev)?.to_vec1::<f32>()?)
+        };
+        acc.set_seed(7);
+        let a = draw()?;
+        acc.set_seed(7);
+        assert_eq!(a, draw()?);
+        acc.set_seed(8);
+        assert_ne!(a, draw()?);
+        Ok(())
+    }
 }
