@@ -50,13 +50,20 @@ struct Args {
     /// Which workloads: mlp, gpt or all.
     #[arg(long, default_value = "all")]
     only: String,
-    /// Precision of the Accelerator loop (no, bf16, fp16).
-    #[arg(long, default_value = "no")]
-    mixed_precision: PrecisionType,
+    /// Adds an Accelerator row in this precision (no, bf16, fp16); without
+    /// it, the launcher's `ACCELERATE_MIXED_PRECISION` decides (Accelerate's
+    /// precedence). The compared rows are always fp32.
+    #[arg(long)]
+    mixed_precision: Option<PrecisionType>,
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    let env = std::env::var(accel_core::config::ENV_MIXED_PRECISION).ok();
+    args.mixed_precision = Some(accel_core::config::resolve_precision(
+        args.mixed_precision,
+        env.as_deref(),
+    )?);
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         // Before any candle op: the pool reads it once.
         std::env::set_var("CANDLE_NUM_THREADS", "1");
@@ -357,11 +364,9 @@ fn bench(args: &Args, kind: Kind, torch: Option<f64>) -> Result<serde_json::Valu
         ("accel_nn", accel_nn_loop(kind)?),
         ("accelerator", accelerator_loop(kind, PrecisionType::No)?),
     ];
-    if args.mixed_precision != PrecisionType::No {
-        loops.push((
-            "accelerator_mixed",
-            accelerator_loop(kind, args.mixed_precision)?,
-        ));
+    let mixed = args.mixed_precision.filter(|p| *p != PrecisionType::No);
+    if let Some(p) = mixed {
+        loops.push(("accelerator_mixed", accelerator_loop(kind, p)?));
     }
     // Warm-up: first steps allocate and fault in pages.
     for (_, l) in loops.iter_mut() {
@@ -392,11 +397,8 @@ fn bench(args: &Args, kind: Kind, torch: Option<f64>) -> Result<serde_json::Valu
         obj.insert("torch_steps_per_s".into(), rounded(t));
         obj.insert("accel_nn_vs_torch".into(), rounded(med["accel_nn"] / t));
     }
-    if args.mixed_precision != PrecisionType::No {
-        obj.insert(
-            "mixed_precision".into(),
-            args.mixed_precision.to_string().into(),
-        );
+    if let Some(p) = mixed {
+        obj.insert("mixed_precision".into(), p.to_string().into());
     }
     Ok(serde_json::Value::Object(obj))
 }

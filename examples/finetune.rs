@@ -138,14 +138,6 @@ fn main() -> Result<()> {
     let train = dataset(&tok, &train_text, cfg.block_size)?;
     let eval = dataset(&tok, &eval_text, cfg.block_size)?;
 
-    let mixed_precision = match cli.mixed_precision {
-        Some(p) => p,
-        None => std::env::var("ACCELERATE_MIXED_PRECISION")
-            .ok()
-            .map(|v| v.parse())
-            .transpose()?
-            .unwrap_or_default(),
-    };
     let mut args = TrainingArguments::new(&cli.output_dir)
         .with_max_steps(cli.max_steps)
         .with_batch_size(cli.batch_size)
@@ -155,7 +147,8 @@ fn main() -> Result<()> {
         .with_save_strategy(IntervalStrategy::Steps, cli.save_steps);
     args.run_name = "finetune".into();
     args.gradient_accumulation_steps = cli.gradient_accumulation_steps;
-    args.mixed_precision = mixed_precision;
+    // Unset: the Accelerator takes the launcher's precision, then `no`.
+    args.mixed_precision = cli.mixed_precision;
     args.save_total_limit = Some(cli.save_total_limit);
     args.seed = cli.seed;
     args.weight_decay = 0.1;

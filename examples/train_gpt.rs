@@ -33,9 +33,9 @@ struct Args {
     /// Micro-batches per optimizer step.
     #[arg(long, default_value_t = 1)]
     gradient_accumulation_steps: usize,
-    /// no, bf16 or fp16.
-    #[arg(long, default_value = "no")]
-    mixed_precision: PrecisionType,
+    /// no, bf16 or fp16 [default: the launcher's ACCELERATE_MIXED_PRECISION, else no].
+    #[arg(long)]
+    mixed_precision: Option<PrecisionType>,
     /// Peak learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
@@ -60,13 +60,14 @@ fn main() -> Result<()> {
     // first's instead of refusing to overwrite them (as the Trainer does).
     let existing = accel_core::checkpoint::list_checkpoints(args.out.join("checkpoints"))?;
     project.iteration = existing.last().map_or(0, |(n, _)| n + 1);
-    let config = AcceleratorConfig::default()
-        .with_mixed_precision(args.mixed_precision)
+    let mut config = AcceleratorConfig::default()
         .with_gradient_accumulation_steps(args.gradient_accumulation_steps)
         .with_seed(args.seed)
         .with_project(project)
         .with_device(Device::Cpu)
         .with_log_with(["jsonl", "tensorboard"]);
+    // Unset: Accelerator::new takes the launcher's precision, then `no`.
+    config.mixed_precision = args.mixed_precision;
     let mut acc = Accelerator::new(config)?;
 
     let tok = CharTokenizer::new(CORPUS);
@@ -103,7 +104,7 @@ fn main() -> Result<()> {
         "train_gpt",
         &serde_json::json!({
             "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-            "mixed_precision": args.mixed_precision.to_string(), "params": params.num_parameters(),
+            "mixed_precision": acc.mixed_precision().to_string(), "params": params.num_parameters(),
         }),
     )?;
 
@@ -119,7 +120,7 @@ fn main() -> Result<()> {
         tok.vocab_size(),
         n,
         cfg.block_size,
-        args.mixed_precision
+        acc.mixed_precision()
     ));
 
     // One bar for the job, drawn by the main process.

@@ -116,6 +116,19 @@ pub enum Error {
     #[error("{0}")]
     Usage(String),
 
+    // === other ranks ===
+    /// Another rank failed a step every rank takes together (a save, a load);
+    /// this rank stops too instead of waiting for it at the next collective.
+    #[error("{op}: rank {rank} failed: {reason}")]
+    RankFailed {
+        /// The step (`"save_state"`, `"load_state"`, ...).
+        op: &'static str,
+        /// The first rank that failed.
+        rank: usize,
+        /// Its error, as it printed it.
+        reason: String,
+    },
+
     // === resources ===
     /// An allocation did not fit: a device out of memory, or a memory cap the
     /// program set for itself. `find_executable_batch_size` retries smaller.

@@ -297,19 +297,72 @@ fn the_accelerator_config_picks_up_the_launched_precision() -> Result<()> {
     std::env::set_var("ACCELERATE_MIXED_PRECISION", "bf16");
     assert_eq!(
         AcceleratorConfig::from_env()?.mixed_precision,
-        PrecisionType::Bf16
+        Some(PrecisionType::Bf16)
     );
-    let explicit = AcceleratorConfig {
-        mixed_precision: PrecisionType::Fp16,
-        ..Default::default()
-    };
-    assert_eq!(
-        explicit.with_env_precision()?.mixed_precision,
-        PrecisionType::Fp16
-    );
+    // An explicit choice wins, `no` included (Accelerate's precedence).
+    for p in [PrecisionType::Fp16, PrecisionType::No] {
+        let explicit = AcceleratorConfig::default().with_mixed_precision(p);
+        assert_eq!(explicit.with_env_precision()?.mixed_precision, Some(p));
+    }
     std::env::set_var("ACCELERATE_MIXED_PRECISION", "fp64");
     let e = AcceleratorConfig::from_env().unwrap_err().to_string();
     assert!(e.contains("ACCELERATE_MIXED_PRECISION"), "{e}");
     std::env::remove_var("ACCELERATE_MIXED_PRECISION");
+    assert_eq!(
+        AcceleratorConfig::from_env()?.mixed_precision,
+        Some(PrecisionType::No)
+    );
     Ok(())
+}
+
+#[test]
+fn a_json_file_written_by_python_accelerate_config_default_sets_the_launched_precision() {
+    // What `accelerate config default --mixed_precision bf16` writes (JSON,
+    // sorted keys, under the YAML name) on a machine without a GPU.
+    let home = tempfile::tempdir().unwrap();
+    let path = home.path().join("accelerate/default_config.yaml");
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(
+        &path,
+        r#"{
+  "compute_environment": "LOCAL_MACHINE",
+  "debug": false,
+  "distributed_type": "NO",
+  "downcast_bf16": false,
+  "dynamo_config": {},
+  "enable_cpu_affinity": false,
+  "fp8_config": {},
+  "fsdp_config": {},
+  "machine_rank": 0,
+  "main_training_function": "main",
+  "megatron_lm_config": {},
+  "mixed_precision": "bf16",
+  "num_machines": 1,
+  "num_processes": 1,
+  "rdzv_backend": "static",
+  "same_network": false,
+  "tpu_use_cluster": false,
+  "tpu_use_sudo": false,
+  "use_cpu": true
+}
+"#,
+    )
+    .unwrap();
+    let c = ClusterConfig::load(&path).unwrap();
+    assert_eq!(c.precision().unwrap(), Some(PrecisionType::Bf16));
+    let script = "echo mp=$ACCELERATE_MIXED_PRECISION";
+    for args in [
+        vec!["launch", "sh", "-c", script],
+        vec![
+            "launch",
+            "--config_file",
+            path.to_str().unwrap(),
+            "sh",
+            "-c",
+            script,
+        ],
+    ] {
+        let out = run_ok(accel(home.path()).args(&args));
+        assert!(out.lines().any(|l| l.ends_with("mp=bf16")), "{out}");
+    }
 }

@@ -16,6 +16,12 @@
 //! same load of a noisy machine; each result names its transport (`shm`,
 //! `unix` or `tcp`) and algorithm. Sizes up to the direct limit take the
 //! socket direct path in both.
+//!
+//! When `python3 -c "import torch"` works (and `--no-gloo` is not given),
+//! the same run then measures PyTorch's gloo at the same sizes, ops and
+//! iteration counts (`scripts/bench_gloo.py`) and adds `gloo_ms` (its median)
+//! and `gloo_min_ms` next to each result, so the two are compared under the
+//! same machine load; `loadavg` records that load at the start.
 
 use std::io::Read;
 use std::net::SocketAddr;
@@ -62,6 +68,9 @@ struct Args {
     /// Timed iterations per size (default: from 200 for small to 5 for 256 MiB).
     #[arg(long)]
     iters: Option<usize>,
+    /// Do not run PyTorch's gloo at the same sizes afterwards.
+    #[arg(long)]
+    no_gloo: bool,
     /// Internal: run as one rank.
     #[arg(long, hide = true)]
     worker: bool,
@@ -74,6 +83,7 @@ fn main() -> anyhow::Result<()> {
     if args.worker {
         return worker(&args);
     }
+    let loadavg = std::fs::read_to_string("/proc/loadavg").ok();
     let token = format!("bench-{}-{:?}", std::process::id(), Instant::now());
     let server = StoreServer::bind(SocketAddr::from(([127, 0, 0, 1], 0)), &token)?;
     let exe = std::env::current_exe()?;
@@ -113,8 +123,79 @@ fn main() -> anyhow::Result<()> {
             bail!("rank {rank} failed: {status}");
         }
     }
-    print!("{out}");
+    let mut report: serde_json::Value =
+        serde_json::from_str(out.trim()).context("rank 0 printed no JSON report")?;
+    report["loadavg"] = loadavg.map(|l| l.trim().to_string()).into();
+    if !args.no_gloo {
+        match gloo(&args) {
+            Ok(Some(gloo)) => add_gloo(&mut report, &gloo),
+            Ok(None) => report["gloo"] = "not measured: python3 cannot import torch".into(),
+            Err(e) => report["gloo"] = format!("not measured: {e:#}").into(),
+        }
+    }
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
     Ok(())
+}
+
+/// `scripts/bench_gloo.py`'s report at the same world size, sizes, ops and
+/// iterations, or `None` when torch cannot be imported.
+fn gloo(args: &Args) -> anyhow::Result<Option<serde_json::Value>> {
+    let importable = Command::new("python3")
+        .args(["-c", "import torch"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !importable {
+        return Ok(None);
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/bench_gloo.py");
+    let join = |v: Vec<String>| v.join(",");
+    let sizes = args.sizes.clone().unwrap_or_else(|| DEFAULT_SIZES.to_vec());
+    let mut cmd = Command::new("python3");
+    cmd.arg(script)
+        .args(["--world-size", &args.world_size.to_string()])
+        .args([
+            "--sizes",
+            &join(sizes.iter().map(|s| s.to_string()).collect()),
+        ]);
+    if let Some(ops) = &args.ops {
+        cmd.args(["--ops", &join(ops.clone())]);
+    }
+    if let Some(i) = args.iters {
+        cmd.args(["--iters", &i.to_string()]);
+    }
+    let out = cmd.stderr(Stdio::inherit()).output().context(script)?;
+    if !out.status.success() {
+        bail!("{script} failed: {}", out.status);
+    }
+    Ok(Some(
+        serde_json::from_slice(&out.stdout).context("bench_gloo.py's JSON")?,
+    ))
+}
+
+/// Adds gloo's median and best time to each result of the same op and size.
+fn add_gloo(report: &mut serde_json::Value, gloo: &serde_json::Value) {
+    let empty = vec![];
+    let theirs = gloo["results"].as_array().unwrap_or(&empty);
+    if let Some(ours) = report["results"].as_array_mut() {
+        for r in ours {
+            let same = theirs
+                .iter()
+                .find(|g| g["op"] == r["op"] && g["bytes"] == r["bytes"]);
+            if let Some(g) = same {
+                r["gloo_ms"] = g["median_ms"].clone();
+                r["gloo_min_ms"] = g["min_ms"].clone();
+            }
+        }
+    }
+    report["gloo"] = serde_json::json!({
+        "torch": gloo["torch"],
+        "measured": "after accel-dist, in the same run (scripts/bench_gloo.py)",
+    });
 }
 
 /// Iterations per size: enough for a stable median, bounded run time.
@@ -220,11 +301,8 @@ fn worker(args: &Args) -> anyhow::Result<()> {
             "shm_slot_bytes": first.config().shm_slot_bytes,
             "results": results,
         });
-        if args.json {
-            println!("{report}");
-        } else {
-            println!("{}", serde_json::to_string_pretty(&report)?);
-        }
+        // The parent parses this, adds gloo's figures and prints it.
+        println!("{report}");
     }
     first.barrier()?;
     Ok(())

@@ -212,3 +212,21 @@ fn the_gpt_dispatched_with_half_its_blocks_on_disk_gives_the_plain_logits() {
     let head = empty.blocks()[6].weights().tensor("ln_f.weight").unwrap();
     assert!(accel_core::bigmodel::is_placeholder(&head));
 }
+
+#[test]
+fn a_class_to_wrap_that_no_block_declares_is_an_error_naming_the_key_and_the_classes() {
+    let plugin = FullyShardedDataParallelPlugin::new(ShardingStrategy::FullShard)
+        .with_auto_wrap_policy(AutoWrapPolicy::Transformer {
+            patterns: vec!["LlamaDecoderLayer".into()],
+        });
+    let mut acc = Accelerator::new(AcceleratorConfig::default().with_fsdp(plugin)).unwrap();
+    let err = match acc.prepare(|vb| Gpt::new(cfg(), vb)) {
+        Ok(_) => panic!("a class no block has must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("fsdp_transformer_layer_cls_to_wrap"), "{err}");
+    assert!(
+        err.contains("LlamaDecoderLayer") && err.contains("GPT2Block"),
+        "{err}"
+    );
+}

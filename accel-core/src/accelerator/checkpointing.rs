@@ -43,37 +43,13 @@ impl Accelerator {
     /// Saves everything prepared or registered into `output_dir`, or with
     /// automatic checkpoint naming into `project_dir/checkpoints/checkpoint_{n}`
     /// (deleting the oldest beyond `total_limit`). Returns the folder written.
+    ///
+    /// Every rank must call it. When any rank fails a step (the main process
+    /// cannot create the folder, a rank cannot write its files), every rank
+    /// returns an error at that step ([`Error::RankFailed`] naming the rank on
+    /// the others) and the previous checkpoints stay as they were.
     pub fn save_state(&mut self, output_dir: Option<&Path>) -> Result<PathBuf> {
-        let project = &self.config.project;
-        let dir = if project.automatic_checkpoint_naming {
-            let base = self.checkpoints_dir();
-            let dir = base.join(format!("checkpoint_{}", project.iteration));
-            // Only the main process touches the folder tree; the others learn
-            // the outcome at the barrier below.
-            if self.is_main_process() {
-                std::fs::create_dir_all(&base).map_err(|e| Error::io("creating", &base, e))?;
-                checkpoint::clean_stale_temps(&base)?;
-                if let Some(limit) = project.total_limit {
-                    checkpoint::enforce_total_limit(&base, limit)?;
-                }
-                if dir.exists() {
-                    return Err(Error::Usage(format!(
-                        "checkpoint folder {} already exists; automatic naming never overwrites",
-                        dir.display()
-                    )));
-                }
-            }
-            dir
-        } else {
-            output_dir
-                .ok_or_else(|| {
-                    Error::Usage(
-                        "save_state needs an output folder without automatic checkpoint naming"
-                            .into(),
-                    )
-                })?
-                .to_path_buf()
-        };
+        let dir = self.next_checkpoint_dir(output_dir)?;
         if !self
             .grad_state
             .step()
@@ -81,32 +57,94 @@ impl Accelerator {
         {
             tracing::warn!("save_state in the middle of an accumulation cycle: accumulated gradients are not saved");
         }
+        // Only the main process touches the folder tree; every rank learns
+        // the outcome before the first collective below.
+        let begun = if self.is_main_process() {
+            self.begin_checkpoint(&dir).map(Some)
+        } else {
+            Ok(None)
+        };
+        let tmp = self.agree("save_state", begun)?;
+        let mut tmp_path = vec![tmp
+            .as_ref()
+            .map(|t| t.path().display().to_string())
+            .unwrap_or_default()];
+        if self.num_processes() > 1 {
+            self.comm().broadcast_object_list(&mut tmp_path, 0)?;
+        }
         // Sharded models gather their full state first (every rank takes
         // part). Then every rank writes its own files (RNG state, sharded
         // pieces) into the main process's temporary folder, and the main
         // process adds the shared state and publishes the folder atomically.
-        let states = self.states_to_save()?;
-        let mut tmp = None;
-        let mut tmp_path = vec![String::new()];
-        if self.is_main_process() {
-            let t = AtomicDir::begin(&dir)?;
-            tmp_path[0] = t.path().display().to_string();
-            tmp = Some(t);
-        }
-        if self.num_processes() > 1 {
-            self.comm().broadcast_object_list(&mut tmp_path, 0)?;
-        }
-        self.write_rank_state(Path::new(&tmp_path[0]), &states)?;
-        self.wait_for_everyone()?;
-        if let Some(t) = tmp {
-            self.write_state(t.path(), states)?;
-            t.commit()?;
-        }
-        self.wait_for_everyone()?;
+        let states = self.states_to_save();
+        let states = self.agree("save_state", states)?;
+        let written = self.write_rank_state(Path::new(&tmp_path[0]), &states);
+        self.agree("save_state", written)?;
+        let published = match tmp {
+            Some(t) => self
+                .write_state(t.path(), states)
+                .and_then(|()| t.commit().map(|_| ())),
+            None => Ok(()),
+        };
+        self.agree("save_state", published)?;
         if self.config.project.automatic_checkpoint_naming {
             self.config.project.iteration += 1;
         }
         Ok(dir)
+    }
+
+    /// The folder the next `save_state` writes (no file-system access).
+    fn next_checkpoint_dir(&self, output_dir: Option<&Path>) -> Result<PathBuf> {
+        let project = &self.config.project;
+        if project.automatic_checkpoint_naming {
+            return Ok(self
+                .checkpoints_dir()
+                .join(format!("checkpoint_{}", project.iteration)));
+        }
+        output_dir.map(Path::to_path_buf).ok_or_else(|| {
+            Error::Usage(
+                "save_state needs an output folder without automatic checkpoint naming".into(),
+            )
+        })
+    }
+
+    /// The main process's part before any file is written: the checkpoints
+    /// folder, stale temporaries, the total limit, and the temporary folder.
+    fn begin_checkpoint(&self, dir: &Path) -> Result<AtomicDir> {
+        let project = &self.config.project;
+        if project.automatic_checkpoint_naming {
+            let base = self.checkpoints_dir();
+            std::fs::create_dir_all(&base).map_err(|e| Error::io("creating", &base, e))?;
+            checkpoint::clean_stale_temps(&base)?;
+            if let Some(limit) = project.total_limit {
+                checkpoint::enforce_total_limit(&base, limit)?;
+            }
+            if std::fs::symlink_metadata(dir).is_ok() {
+                return Err(Error::Usage(format!(
+                    "checkpoint folder {} already exists; automatic naming never overwrites",
+                    dir.display()
+                )));
+            }
+        }
+        AtomicDir::begin(dir)
+    }
+
+    /// Shares every rank's outcome of a step all ranks take together, so
+    /// that a failure on one rank stops all of them now rather than leaving
+    /// the others waiting at the next collective until its timeout. A rank
+    /// that failed returns its own error; the others return
+    /// [`Error::RankFailed`] naming the first rank that failed.
+    pub(super) fn agree<T>(&self, op: &'static str, outcome: Result<T>) -> Result<T> {
+        if self.num_processes() == 1 {
+            return outcome;
+        }
+        let mine: Option<String> = outcome.as_ref().err().map(ToString::to_string);
+        let all: Vec<Option<String>> = self.comm().gather_object(&mine)?;
+        let value = outcome?;
+        match all.into_iter().enumerate().find_map(|(r, e)| Some((r, e?))) {
+            Some((rank, reason)) => Err(Error::RankFailed { op, rank, reason }),
+            None => Ok(value),
+        }
     }
 
     fn write_random_state(&self, out: &Path) -> Result<()> {
@@ -201,7 +239,22 @@ impl Accelerator {
     /// Restores everything prepared or registered from `input_dir`, or with
     /// automatic naming from the newest `checkpoint_{n}`. Every file is read
     /// and checked before any object changes. Returns the folder read.
+    ///
+    /// Every rank must call it. When any rank cannot read its files, every
+    /// rank returns an error before changing anything ([`Error::RankFailed`]
+    /// naming the rank on the others).
     pub fn load_state(&mut self, input_dir: Option<&Path>) -> Result<PathBuf> {
+        let read = self
+            .checkpoint_to_load(input_dir)
+            .and_then(|dir| self.read_state_files(&dir).map(|files| (dir, files)));
+        let (dir, files) = self.agree("load_state", read)?;
+        let applied = self.apply_state_files(&dir, files);
+        self.agree("load_state", applied)?;
+        Ok(dir)
+    }
+
+    /// The folder `load_state` reads (and the next automatic number).
+    fn checkpoint_to_load(&mut self, input_dir: Option<&Path>) -> Result<PathBuf> {
         let dir = match input_dir {
             Some(d) => d.to_path_buf(),
             None if self.config.project.automatic_checkpoint_naming => {
@@ -234,8 +287,13 @@ impl Accelerator {
                 self.config.project.iteration = self.config.project.iteration.max(n + 1);
             }
         }
+        Ok(dir)
+    }
+
+    /// Reads and checks every file of `dir` this rank restores.
+    fn read_state_files(&self, dir: &Path) -> Result<StateFiles> {
         let dev = self.device().clone();
-        let load = |s: &str| checkpoint::load_state_dict(&dir, s, &dev);
+        let load = |s: &str| checkpoint::load_state_dict(dir, s, &dev);
         let rank = self.process_index();
         let optim: Vec<StateDict> = self
             .optimizers
@@ -244,7 +302,7 @@ impl Accelerator {
             .map(|(i, o)| match o.model().sharding() {
                 None => load(&stem("optimizer", i)),
                 Some(s) => {
-                    if fsdp_state::check_sharded_world(&s, &dir, i)? {
+                    if fsdp_state::check_sharded_world(&s, dir, i)? {
                         load(&fsdp_state::rank_stem(&stem("optimizer", i), rank))
                     } else {
                         fsdp_state::optimizer_pieces(&s, load(&stem("optimizer", i))?)
@@ -275,22 +333,43 @@ impl Accelerator {
         let custom: Vec<StateDict> = (0..self.custom.len())
             .map(|i| load(&format!("custom_checkpoint_{i}")))
             .collect::<Result<_>>()?;
+        Ok(StateFiles {
+            optim,
+            sched,
+            loaders,
+            scaler,
+            random_stem,
+            random,
+            custom,
+        })
+    }
 
+    /// Applies files read by [`Accelerator::read_state_files`].
+    fn apply_state_files(&mut self, dir: &Path, files: StateFiles) -> Result<()> {
+        let StateFiles {
+            optim,
+            sched,
+            loaders,
+            scaler,
+            random_stem,
+            random,
+            custom,
+        } = files;
         // Models are validated as a whole by restore_vars before any weight changes.
         for (i, m) in self.models.iter().enumerate() {
             let path = dir.join(format!("{}.safetensors", stem("model", i)));
             match m.sharding() {
-                Some(s) => fsdp_state::restore_sharded(m, &s, &dir, i, &path)?,
+                Some(s) => fsdp_state::restore_sharded(m, &s, dir, i, &path)?,
                 None => restore_model(m, &path)?,
             }
         }
         for (o, s) in self.optimizers.iter().zip(optim) {
             o.load_state_dict(s)
-                .map_err(|e| in_file(&dir, "optimizer", e))?;
+                .map_err(|e| in_file(dir, "optimizer", e))?;
         }
         for (s, st) in self.schedulers.iter().zip(sched) {
             s.load_json(&st.meta)
-                .map_err(|e| in_file(&dir, "scheduler", e))?;
+                .map_err(|e| in_file(dir, "scheduler", e))?;
         }
         for (l, st) in self.loaders.iter().zip(loaders) {
             let pos = serde_json::from_value(st.meta).map_err(|e| Error::Json {
@@ -327,7 +406,7 @@ impl Accelerator {
                 .unwrap_or_else(|e| e.into_inner())
                 .load_state_dict(st)?;
         }
-        Ok(dir)
+        Ok(())
     }
 
     /// Saves `model`'s fp32 weights for inference or sharing, as
@@ -344,11 +423,25 @@ impl Accelerator {
     ) -> Result<Vec<PathBuf>> {
         let limit = checkpoint::parse_size(max_shard_size)?;
         let tensors = model.full_weights()?.into_iter().collect();
-        if !self.is_main_process() {
-            return Ok(vec![]);
-        }
-        checkpoint::save_model(dir.as_ref(), &tensors, limit)
+        let written = if self.is_main_process() {
+            checkpoint::save_model(dir.as_ref(), &tensors, limit)
+        } else {
+            Ok(vec![])
+        };
+        // The other ranks learn of a failed write now, not at their next collective.
+        self.agree("save_model", written)
     }
+}
+
+/// Every file `load_state` reads on one rank, checked, before any object changes.
+struct StateFiles {
+    optim: Vec<StateDict>,
+    sched: Vec<StateDict>,
+    loaders: Vec<StateDict>,
+    scaler: Option<StateDict>,
+    random_stem: String,
+    random: StateDict,
+    custom: Vec<StateDict>,
 }
 
 /// What `save_state` writes for the models and optimizers.

@@ -75,8 +75,11 @@ impl ProjectConfiguration {
 /// ```
 #[derive(Debug, Clone)]
 pub struct AcceleratorConfig {
-    /// The precision mode.
-    pub mixed_precision: PrecisionType,
+    /// The precision mode; `None` defers to the launcher
+    /// (`ACCELERATE_MIXED_PRECISION`), then `no`, as Accelerate's
+    /// `Accelerator(mixed_precision=None)`. [`super::Accelerator::new`] stores
+    /// the resolved mode here.
+    pub mixed_precision: Option<PrecisionType>,
     /// Gradient accumulation.
     pub gradient_accumulation: GradientAccumulationPlugin,
     /// The loss scale for fp16.
@@ -110,7 +113,7 @@ pub struct AcceleratorConfig {
 impl Default for AcceleratorConfig {
     fn default() -> Self {
         Self {
-            mixed_precision: PrecisionType::No,
+            mixed_precision: None,
             gradient_accumulation: GradientAccumulationPlugin::default(),
             scaler: GradScalerConfig::default(),
             seed: None,
@@ -128,9 +131,9 @@ impl Default for AcceleratorConfig {
 }
 
 impl AcceleratorConfig {
-    /// Sets the precision mode.
+    /// Sets the precision mode explicitly (it then wins over the launcher's).
     pub fn with_mixed_precision(mut self, p: PrecisionType) -> Self {
-        self.mixed_precision = p;
+        self.mixed_precision = Some(p);
         self
     }
 

@@ -7,6 +7,7 @@
 mod checkpointing;
 mod config;
 mod ops;
+mod seeding;
 mod sharded;
 
 pub use config::{AcceleratorConfig, ProjectConfiguration};
@@ -86,7 +87,8 @@ impl Accelerator {
     /// An Accelerator for this process, reading its rank from the launcher's
     /// environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`).
     pub fn new(config: AcceleratorConfig) -> Result<Self> {
-        // `accel launch --mixed_precision` exports ACCELERATE_MIXED_PRECISION.
+        // `accel launch --mixed_precision` exports ACCELERATE_MIXED_PRECISION;
+        // an explicit choice in `config` wins over it.
         let mut config = config.with_env_precision()?;
         if config.fsdp.is_none() {
             config.fsdp = FullyShardedDataParallelPlugin::from_env()?;
@@ -120,13 +122,23 @@ impl Accelerator {
                 reason: "must be at least 1".into(),
             });
         }
-        let scaler = (config.mixed_precision == PrecisionType::Fp16)
+        let scaler = (config.precision() == PrecisionType::Fp16)
             .then(|| Arc::new(Mutex::new(GradScaler::new(config.scaler))));
-        let seed = config.seed.unwrap_or_else(clock_seed);
+        let comm = group.communicator();
+        // Every rank shuffles with one seed (rank 0's clock when unseeded).
+        let seed = seeding::shared_seed(config.seed, &*comm)?;
+        seeding::seed_device(&state.device, seed);
+        if let Some(plugin) = &config.fsdp {
+            if state.is_main_process() {
+                for warning in plugin.inert_settings(&state.device) {
+                    tracing::warn!("{warning}");
+                }
+            }
+        }
         Ok(Self {
             grad_state: GradientState::new(config.gradient_accumulation),
             state,
-            comm: group.communicator(),
+            comm,
             _group: group,
             buckets: vec![],
             scaler,
@@ -189,12 +201,12 @@ impl Accelerator {
 
     /// The precision mode.
     pub fn mixed_precision(&self) -> PrecisionType {
-        self.config.mixed_precision
+        self.config.precision()
     }
 
     /// The dtype models compute in (bf16/f16 under mixed precision, else f32).
     pub fn compute_dtype(&self) -> DType {
-        self.config.mixed_precision.compute_dtype()
+        self.config.precision().compute_dtype()
     }
 
     /// Prints on the main process only.
@@ -218,25 +230,6 @@ impl Accelerator {
         &*self.comm
     }
 
-    // === seeding ===
-
-    /// Seeds parameter initialisation, data order and [`Accelerator::rng`].
-    pub fn set_seed(&mut self, seed: u64) {
-        self.seed = seed;
-        self.rng = SplitMix64::new(seed);
-    }
-
-    /// The seed in use.
-    pub fn seed(&self) -> u64 {
-        self.seed
-    }
-
-    /// A generator for user randomness (dropout masks, augmentation) whose
-    /// state `save_state` stores, so a resumed run draws the same numbers.
-    pub fn rng(&mut self) -> &mut SplitMix64 {
-        &mut self.rng
-    }
-
     // === preparing ===
 
     /// A `VarBuilder` that creates parameters into `varmap` in the compute
@@ -256,7 +249,12 @@ impl Accelerator {
 
     /// Prepares the parameters in `varmap` for training: fp32 master copies
     /// for parameters held in a lower precision, and gradient buffers.
+    ///
+    /// # Errors
+    /// [`Error::Config`] under an FSDP plugin at more than one rank (see
+    /// [`Accelerator::prepare_fsdp_model`]); candle or collective errors.
     pub fn prepare_model(&mut self, varmap: &VarMap) -> Result<PreparedModel> {
+        self.check_plain_model_allowed()?;
         let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
         let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         drop(data);
@@ -401,8 +399,11 @@ impl Accelerator {
             m.collect_gradients(&grads)?;
         }
         drop(grads);
-        // DDP averages at the end of an accumulation cycle only (no_sync before).
-        if self.num_processes() > 1 && self.sync_gradients() {
+        // DDP averages at the end of an accumulation cycle only (no_sync
+        // before), or on every micro-batch with `sync_each_batch`: averaging
+        // the accumulated buffer again keeps the already averaged part.
+        let reduce_now = self.sync_gradients() || self.grad_state.plugin().sync_each_batch;
+        if self.num_processes() > 1 && reduce_now {
             for (m, b) in self.models.iter().zip(&self.buckets) {
                 let Some(b) = b else { continue };
                 m.all_reduce_grads(self.comm(), b, self.config.ddp.comm_hook)?;
@@ -488,11 +489,4 @@ fn default_device() -> Result<Device> {
         }
     }
     Ok(Device::Cpu)
-}
-
-fn clock_seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
 }

@@ -5,10 +5,14 @@ use std::sync::{Arc, Mutex};
 use candle_core::Device;
 use candle_nn::VarBuilder;
 
+use accel_dist::fsdp::ShardingStrategy;
+use accel_dist::CommunicatorExt;
+
 use super::Accelerator;
 use accel_nn::Model;
 
 use crate::fsdp::{plan_units, shard_blocks, FsdpModel, ShardedInit};
+use crate::state::DistributedType;
 use crate::{Error, PreparedModel, Result};
 
 impl Accelerator {
@@ -39,6 +43,31 @@ impl Accelerator {
         Ok((model, params))
     }
 
+    /// Refuses to train a plain model (`prepare_model`, a `VarMap` with no
+    /// blocks to shard) as DDP when the run is configured for FSDP at more
+    /// than one rank, which would otherwise replicate the model on every
+    /// rank without a word. NO_SHARD is DDP by definition and passes.
+    pub(super) fn check_plain_model_allowed(&self) -> Result<()> {
+        let sharded = self
+            .config
+            .fsdp
+            .as_ref()
+            .is_some_and(|p| p.sharding_strategy != ShardingStrategy::NoShard);
+        if self.distributed_type() == DistributedType::Fsdp && sharded {
+            return Err(Error::Config {
+                key: "distributed_type: FSDP (ACCELERATE_USE_FSDP)".into(),
+                reason: format!(
+                    "prepare_model would train this model unsharded, as DDP, on each of {} \
+                     ranks; build it from blocks with Accelerator::prepare (or \
+                     prepare_fsdp_model) instead, or launch without FSDP (distributed_type: \
+                     MULTI_CPU / MULTI_GPU)",
+                    self.num_processes()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Builds a model with its parameters sharded across the ranks (FSDP /
     /// ZeRO, as the `fsdp` plugin of the configuration says; FULL_SHARD
     /// with no auto-wrap when none is set).
@@ -64,9 +93,15 @@ impl Accelerator {
         } else {
             self.device().clone()
         };
+        // sync_module_states: every rank draws its piece with rank 0's seed,
+        // so the pieces fit together even when the ranks were seeded apart.
+        let mut seed = vec![self.seed];
+        if plugin.sync_module_states && self.num_processes() > 1 {
+            self.comm().broadcast_object_list(&mut seed, 0)?;
+        }
         let drawn = Arc::new(Mutex::new(vec![]));
         let backend = ShardedInit {
-            seed: self.seed,
+            seed: seed[0],
             world,
             rank,
             master_device: master_device.clone(),

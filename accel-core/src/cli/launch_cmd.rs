@@ -267,7 +267,15 @@ mod tests {
         f.distributed_type = "FSDP".into();
         let c = args(&[]).to_config(Some(&f))?;
         assert_eq!(env(&c, "ACCELERATE_USE_FSDP"), Some("true"));
-        assert_eq!(env(&c, "FSDP_SHARDING_STRATEGY"), Some("FULL_SHARD"));
+        // Unset in the file: not exported, so fsdp_reshard_after_forward decides.
+        assert_eq!(env(&c, "FSDP_SHARDING_STRATEGY"), None);
+        assert_eq!(env(&c, "FSDP_RESHARD_AFTER_FORWARD"), Some("true"));
+        let lookup = |k: &str| env(&c, k).map(str::to_string);
+        let plugin = crate::fsdp::FullyShardedDataParallelPlugin::from_vars(&lookup)?;
+        assert_eq!(
+            plugin.map(|p| p.sharding_strategy),
+            Some(accel_dist::fsdp::ShardingStrategy::FullShard)
+        );
         Ok(())
     }
 }

@@ -61,14 +61,33 @@ pub fn total_ram_bytes() -> Option<u64> {
 /// [`Error::Config`] naming the variable when its value is not `no`, `fp16` or `bf16`.
 pub fn precision_from_env() -> Result<Option<PrecisionType>> {
     match std::env::var(ENV_MIXED_PRECISION) {
-        Ok(v) if !v.trim().is_empty() => v.trim().parse().map(Some).map_err(|e| match e {
+        Ok(v) if !v.trim().is_empty() => resolve_precision(None, Some(&v)).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Accelerate's precedence for the precision: an explicit choice, then the
+/// launcher's `ACCELERATE_MIXED_PRECISION` (`env`), then `no`.
+///
+/// # Errors
+/// [`Error::Config`] naming the variable when `env` is used and is not `no`,
+/// `fp16` or `bf16`.
+pub fn resolve_precision(
+    explicit: Option<PrecisionType>,
+    env: Option<&str>,
+) -> Result<PrecisionType> {
+    if let Some(p) = explicit {
+        return Ok(p);
+    }
+    match env.map(str::trim).filter(|v| !v.is_empty()) {
+        None => Ok(PrecisionType::No),
+        Some(v) => v.parse().map_err(|e| match e {
             Error::Config { reason, .. } => Error::Config {
                 key: ENV_MIXED_PRECISION.into(),
                 reason,
             },
             other => other,
         }),
-        _ => Ok(None),
     }
 }
 
@@ -83,18 +102,21 @@ impl AcceleratorConfig {
         Self::default().with_env_precision()
     }
 
-    /// Takes the precision from `ACCELERATE_MIXED_PRECISION` when that is set
-    /// and this config still has the default (`no`); an explicit choice wins.
+    /// Resolves the precision: the one set with
+    /// [`AcceleratorConfig::with_mixed_precision`] (even `no`) wins, else
+    /// `ACCELERATE_MIXED_PRECISION`, else `no` (see [`resolve_precision`]).
     ///
     /// # Errors
     /// As [`precision_from_env`].
     pub fn with_env_precision(mut self) -> Result<Self> {
-        if self.mixed_precision == PrecisionType::No {
-            if let Some(p) = precision_from_env()? {
-                self.mixed_precision = p;
-            }
-        }
+        let env = std::env::var(ENV_MIXED_PRECISION).ok();
+        self.mixed_precision = Some(resolve_precision(self.mixed_precision, env.as_deref())?);
         Ok(self)
+    }
+
+    /// The precision mode, `no` while unresolved.
+    pub fn precision(&self) -> PrecisionType {
+        self.mixed_precision.unwrap_or_default()
     }
 }
 
@@ -119,5 +141,21 @@ mod tests {
         // Either the CPU (always) or a working CUDA probe.
         let _ = is_bf16_available();
         assert!(total_ram_bytes().is_none_or(|b| b > 0));
+    }
+
+    #[test]
+    fn an_explicit_precision_wins_then_the_launchers_then_no() {
+        use PrecisionType::*;
+        assert_eq!(resolve_precision(Some(No), Some("bf16")).unwrap(), No);
+        assert_eq!(resolve_precision(Some(Fp16), Some("bf16")).unwrap(), Fp16);
+        assert_eq!(resolve_precision(None, Some("bf16")).unwrap(), Bf16);
+        assert_eq!(resolve_precision(None, Some(" ")).unwrap(), No);
+        assert_eq!(resolve_precision(None, None).unwrap(), No);
+        // A bad launcher value is named, but only when it is used.
+        let e = resolve_precision(None, Some("fp64"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(ENV_MIXED_PRECISION) && e.contains("fp64"), "{e}");
+        assert_eq!(resolve_precision(Some(Bf16), Some("fp64")).unwrap(), Bf16);
     }
 }

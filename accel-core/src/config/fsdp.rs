@@ -36,6 +36,9 @@ pub struct FsdpFileConfig {
     /// Keep parameters and gradients on the CPU between uses.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fsdp_offload_params: Option<bool>,
+    /// FSDP2's spelling of `fsdp_offload_params` (exported the same way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fsdp_cpu_offload: Option<bool>,
     /// `FULL_STATE_DICT` or `SHARDED_STATE_DICT`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fsdp_state_dict_type: Option<String>,
@@ -77,23 +80,25 @@ impl FsdpFileConfig {
             ("ACCELERATE_USE_FSDP", "true".to_string()),
             ("FSDP_VERSION", self.fsdp_version.unwrap_or(1).to_string()),
             (
-                "FSDP_SHARDING_STRATEGY",
-                self.fsdp_sharding_strategy
-                    .as_ref()
-                    .map_or_else(|| "FULL_SHARD".to_string(), scalar_text),
-            ),
-            (
                 "FSDP_RESHARD_AFTER_FORWARD",
                 self.fsdp_reshard_after_forward
                     .as_ref()
                     .map_or_else(|| "true".to_string(), |v| scalar_text(v).to_lowercase()),
             ),
-            ("FSDP_OFFLOAD_PARAMS", flag(self.fsdp_offload_params, false)),
+            (
+                "FSDP_OFFLOAD_PARAMS",
+                flag(self.fsdp_offload_params.or(self.fsdp_cpu_offload), false),
+            ),
             (
                 "FSDP_MIN_NUM_PARAMS",
                 self.fsdp_min_num_params.unwrap_or(100_000_000).to_string(),
             ),
         ];
+        // Only when written: newer files give the FSDP1 strategy under
+        // `fsdp_reshard_after_forward`, which a default here would override.
+        if let Some(s) = &self.fsdp_sharding_strategy {
+            env.push(("FSDP_SHARDING_STRATEGY", scalar_text(s)));
+        }
         let optional = [
             ("FSDP_AUTO_WRAP_POLICY", &self.fsdp_auto_wrap_policy),
             (
@@ -166,5 +171,41 @@ mod tests {
         assert_eq!(get("FSDP_STATE_DICT_TYPE"), None);
         let back = serde_yaml_ng::to_string(&c).unwrap();
         assert!(back.contains("fsdp_ignored_modules: null"), "{back}");
+    }
+
+    fn plugin_of(yaml: &str) -> crate::fsdp::FullyShardedDataParallelPlugin {
+        let c: FsdpFileConfig = serde_yaml_ng::from_str(yaml).unwrap();
+        let env = c.launch_env();
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        crate::fsdp::FullyShardedDataParallelPlugin::from_vars(&get)
+            .unwrap()
+            .unwrap()
+    }
+
+    #[test]
+    fn every_exported_fsdp_key_reaches_the_plugin() {
+        use accel_dist::fsdp::ShardingStrategy::*;
+        // Accelerate 1.6+ writes the FSDP1 strategy under fsdp_reshard_after_forward.
+        let p = plugin_of("fsdp_version: 1\nfsdp_reshard_after_forward: SHARD_GRAD_OP\n");
+        assert_eq!(p.sharding_strategy, ShardGradOp);
+        let p =
+            plugin_of("fsdp_sharding_strategy: FULL_SHARD\nfsdp_reshard_after_forward: false\n");
+        assert_eq!(p.sharding_strategy, ShardGradOp);
+        assert_eq!(plugin_of("{}").sharding_strategy, FullShard);
+        let p = plugin_of(
+            "fsdp_version: 2\nfsdp_reshard_after_forward: false\nfsdp_cpu_offload: true\n",
+        );
+        assert_eq!((p.sharding_strategy, p.cpu_offload), (ShardGradOp, true));
+        let p = plugin_of(
+            "fsdp_backward_prefetch: BACKWARD_PRE\nfsdp_forward_prefetch: true\n\
+             fsdp_use_orig_params: false\nfsdp_sync_module_states: false\n",
+        );
+        assert_eq!(
+            p.backward_prefetch,
+            crate::fsdp::BackwardPrefetch::BackwardPre
+        );
+        assert!(p.forward_prefetch && !p.use_orig_params && !p.sync_module_states);
+        let d = plugin_of("{}");
+        assert!(!d.forward_prefetch && d.use_orig_params && d.sync_module_states);
     }
 }

@@ -8,7 +8,7 @@ mod fsdp;
 
 pub use env::{
     cuda_device_count, is_bf16_available, is_cuda_available, is_nccl_available, precision_from_env,
-    total_ram_bytes, CANDLE_VERSION, ENV_MIXED_PRECISION,
+    resolve_precision, total_ram_bytes, CANDLE_VERSION, ENV_MIXED_PRECISION,
 };
 pub use file::{default_config_path, write_basic_config, ClusterConfig, KNOWN_KEYS};
 pub use fsdp::FsdpFileConfig;

@@ -44,6 +44,28 @@ pub(crate) fn plan_units(
             owners.entry(n).or_default().push((name.clone(), wrapped));
         }
     }
+    if let AutoWrapPolicy::Transformer { patterns } = policy {
+        // Accelerate raises for a class it cannot find; so do we, for a name
+        // or pattern that no block answers to.
+        let blocks = model.blocks();
+        for p in patterns {
+            let found = blocks
+                .iter()
+                .any(|b| p == b.class_name() || matches_pattern(&b.name(), p));
+            if !found {
+                let mut classes: Vec<&str> = blocks.iter().map(|b| b.class_name()).collect();
+                classes.sort_unstable();
+                classes.dedup();
+                return Err(Error::Config {
+                    key: "fsdp_transformer_layer_cls_to_wrap".into(),
+                    reason: format!(
+                        "Could not find the transformer layer class {p} in the model (its blocks \
+                         are of classes {classes:?}; module-name patterns such as `h.*` work too)"
+                    ),
+                });
+            }
+        }
+    }
     let mut unit_of = HashMap::new();
     for (param, _) in params {
         let Some(blocks) = owners.get(param) else {

@@ -62,7 +62,9 @@ mod unit_op;
 pub(crate) use blocks::{plan_units, shard_blocks};
 pub(crate) use init::ShardedInit;
 pub use model::FsdpModel;
-pub use plugin::{FullyShardedDataParallelPlugin, MixedPrecisionPolicy, StateDictType};
+pub use plugin::{
+    BackwardPrefetch, FullyShardedDataParallelPlugin, MixedPrecisionPolicy, StateDictType,
+};
 pub use state_dict::merge_sharded_weights;
 
 pub use accel_dist::fsdp::{AutoWrapPolicy, ShardingStrategy};

@@ -1,7 +1,7 @@
 //! `FullyShardedDataParallelPlugin`: the FSDP settings, from code or from the
 //! `FSDP_*` variables `accel launch` exports from `default_config.yaml`.
 
-use candle_core::DType;
+use candle_core::{DType, Device};
 
 use accel_dist::fsdp::{AutoWrapPolicy, ShardingStrategy};
 
@@ -30,6 +30,35 @@ impl std::str::FromStr for StateDictType {
             other => Err(Error::Config {
                 key: "fsdp_state_dict_type".into(),
                 reason: format!("{other:?} (expected FULL_STATE_DICT or SHARDED_STATE_DICT)"),
+            }),
+        }
+    }
+}
+
+/// When FSDP1 gathers the next unit's parameters during backward
+/// (`FSDP_BACKWARD_PREFETCH`). Stored and reported: units here gather
+/// synchronously when they run, so no prefetch happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackwardPrefetch {
+    /// `BACKWARD_PRE`: before the current unit's gradient computation.
+    BackwardPre,
+    /// `BACKWARD_POST`: after it.
+    BackwardPost,
+    /// `NO_PREFETCH` (also what an unset variable means).
+    #[default]
+    NoPrefetch,
+}
+
+impl std::str::FromStr for BackwardPrefetch {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_uppercase().as_str() {
+            "BACKWARD_PRE" => Ok(Self::BackwardPre),
+            "BACKWARD_POST" => Ok(Self::BackwardPost),
+            "NO_PREFETCH" | "NONE" => Ok(Self::NoPrefetch),
+            other => Err(Error::Config {
+                key: "FSDP_BACKWARD_PREFETCH".into(),
+                reason: format!("{other:?} (expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH)"),
             }),
         }
     }
@@ -76,6 +105,20 @@ pub struct FullyShardedDataParallelPlugin {
     /// When loading a full checkpoint, only rank 0 reads it; the others
     /// receive the tensors from rank 0.
     pub cpu_ram_efficient_loading: bool,
+    /// Every rank draws its initial pieces with rank 0's seed, so the ranks
+    /// start from one model even if they were seeded apart (PyTorch
+    /// broadcasts rank 0's module; drawing from one seed gives the same).
+    /// With `false` each rank draws from its own seed: the same thing when
+    /// the seeds agree, as they do by default.
+    pub sync_module_states: bool,
+    /// FSDP1's backward prefetch; no effect here (said at start-up).
+    pub backward_prefetch: BackwardPrefetch,
+    /// FSDP1's forward prefetch; no effect here (said at start-up).
+    pub forward_prefetch: bool,
+    /// FSDP1's `use_orig_params`. The optimizer here always sees each
+    /// original parameter (its piece, by name), which is `true`; `false`
+    /// has no effect (said at start-up).
+    pub use_orig_params: bool,
 }
 
 impl Default for FullyShardedDataParallelPlugin {
@@ -96,7 +139,47 @@ impl FullyShardedDataParallelPlugin {
             activation_checkpointing: false,
             state_dict_type: StateDictType::FullStateDict,
             cpu_ram_efficient_loading: true,
+            sync_module_states: true,
+            backward_prefetch: BackwardPrefetch::NoPrefetch,
+            forward_prefetch: false,
+            use_orig_params: true,
         }
+    }
+
+    /// The settings this plugin holds that do nothing here, one sentence
+    /// each naming its key; the Accelerator logs them once at start-up.
+    pub fn inert_settings(&self, device: &Device) -> Vec<String> {
+        let mut out = vec![];
+        let mut say = |key: &str, why: &str| {
+            out.push(format!(
+                "FSDP setting `{key}` has no effect in accel-rs: {why}"
+            ))
+        };
+        if self.backward_prefetch != BackwardPrefetch::NoPrefetch {
+            say(
+                "fsdp_backward_prefetch (FSDP_BACKWARD_PREFETCH)",
+                "units gather their parameters when they run; there is no prefetch",
+            );
+        }
+        if self.forward_prefetch {
+            say(
+                "fsdp_forward_prefetch (FSDP_FORWARD_PREFETCH)",
+                "units gather their parameters when they run; there is no prefetch",
+            );
+        }
+        if !self.use_orig_params {
+            say(
+                "fsdp_use_orig_params (FSDP_USE_ORIG_PARAMS) = false",
+                "the optimizer always steps each original parameter's piece (as `true`)",
+            );
+        }
+        if self.cpu_offload && device.is_cpu() {
+            say(
+                "fsdp_offload_params (FSDP_OFFLOAD_PARAMS)",
+                "this run is on the CPU, where the shards already are",
+            );
+        }
+        out
     }
 
     /// Sets the auto-wrap policy.
@@ -138,6 +221,12 @@ impl FullyShardedDataParallelPlugin {
         }
     }
 
+    /// Sets whether every rank starts from rank 0's initial pieces.
+    pub fn with_sync_module_states(mut self, on: bool) -> Self {
+        self.sync_module_states = on;
+        self
+    }
+
     /// FSDP2's name for the difference between `FullShard` and `ShardGradOp`.
     pub fn reshard_after_forward(&self) -> bool {
         self.sharding_strategy == ShardingStrategy::FullShard
@@ -146,7 +235,8 @@ impl FullyShardedDataParallelPlugin {
     /// The plugin `accel launch` describes through `ACCELERATE_USE_FSDP` and
     /// the `FSDP_*` variables (written from `fsdp_config`), or `None` when
     /// FSDP is not on. `FSDP_TRANSFORMER_CLS_TO_WRAP` holds comma-separated
-    /// module-name patterns (`h.*`), since Rust modules have no class names.
+    /// block class names (`LlamaDecoderLayer`, as Python configs write them)
+    /// or module-name patterns (`h.*`).
     pub fn from_env() -> Result<Option<Self>> {
         Self::from_vars(&|k| std::env::var(k).ok())
     }
@@ -170,22 +260,7 @@ impl FullyShardedDataParallelPlugin {
         if !truthy("ACCELERATE_USE_FSDP", false)? {
             return Ok(None);
         }
-        let mut p = Self::default();
-        let version2 = var("FSDP_VERSION").as_deref() == Some("2");
-        if let Some(s) = var("FSDP_SHARDING_STRATEGY").filter(|_| !version2) {
-            p.sharding_strategy = s.parse().map_err(|e: accel_dist::Error| Error::Config {
-                key: "FSDP_SHARDING_STRATEGY".into(),
-                reason: e.to_string(),
-            })?;
-        }
-        if version2 {
-            // FSDP2 spells the strategy as reshard_after_forward.
-            p.sharding_strategy = if truthy("FSDP_RESHARD_AFTER_FORWARD", true)? {
-                ShardingStrategy::FullShard
-            } else {
-                ShardingStrategy::ShardGradOp
-            };
-        }
+        let mut p = Self::new(strategy_from_vars(&var, &truthy)?);
         p.auto_wrap_policy = match var("FSDP_AUTO_WRAP_POLICY").as_deref() {
             None | Some("NO_WRAP") => AutoWrapPolicy::NoWrap,
             Some("TRANSFORMER_BASED_WRAP") => {
@@ -228,8 +303,55 @@ impl FullyShardedDataParallelPlugin {
         if let Some(t) = var("FSDP_STATE_DICT_TYPE") {
             p.state_dict_type = t.parse()?;
         }
+        p.sync_module_states = truthy("FSDP_SYNC_MODULE_STATES", true)?;
+        p.forward_prefetch = truthy("FSDP_FORWARD_PREFETCH", false)?;
+        p.use_orig_params = truthy("FSDP_USE_ORIG_PARAMS", true)?;
+        if let Some(b) = var("FSDP_BACKWARD_PREFETCH") {
+            p.backward_prefetch = b.parse()?;
+        }
         Ok(Some(p))
     }
+}
+
+/// The sharding strategy from `FSDP_SHARDING_STRATEGY` and
+/// `FSDP_RESHARD_AFTER_FORWARD`, as Accelerate 1.x reads them: FSDP2 spells
+/// the strategy as a boolean (`false` is SHARD_GRAD_OP); FSDP1 takes a
+/// strategy name from either variable (newer files write it under
+/// `fsdp_reshard_after_forward`) and `false` turns FULL_SHARD into
+/// SHARD_GRAD_OP (gathered parameters kept from forward to backward).
+fn strategy_from_vars(
+    var: &dyn Fn(&str) -> Option<String>,
+    truthy: &dyn Fn(&str, bool) -> Result<bool>,
+) -> Result<ShardingStrategy> {
+    const RESHARD: &str = "FSDP_RESHARD_AFTER_FORWARD";
+    let parse = |key: &str, v: &str| -> Result<ShardingStrategy> {
+        v.parse().map_err(|e: accel_dist::Error| Error::Config {
+            key: key.into(),
+            reason: e.to_string(),
+        })
+    };
+    if var("FSDP_VERSION").as_deref() == Some("2") {
+        return Ok(if truthy(RESHARD, true)? {
+            ShardingStrategy::FullShard
+        } else {
+            ShardingStrategy::ShardGradOp
+        });
+    }
+    let reshard = var(RESHARD);
+    let reshard_bool = match reshard.as_deref().map(str::to_ascii_lowercase).as_deref() {
+        Some("true" | "1" | "yes") => Some(true),
+        Some("false" | "0" | "no") => Some(false),
+        _ => None,
+    };
+    let mut strategy = match (var("FSDP_SHARDING_STRATEGY"), &reshard, reshard_bool) {
+        (Some(s), _, _) => parse("FSDP_SHARDING_STRATEGY", &s)?,
+        (None, Some(r), None) => parse(RESHARD, r)?,
+        _ => ShardingStrategy::FullShard,
+    };
+    if strategy == ShardingStrategy::FullShard && reshard_bool == Some(false) {
+        strategy = ShardingStrategy::ShardGradOp;
+    }
+    Ok(strategy)
 }
 
 #[cfg(test)]
@@ -323,5 +445,66 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("ACCELERATE_USE_FSDP"), "{err}");
+    }
+
+    #[test]
+    fn python_class_names_to_wrap_load_as_the_policy_and_are_not_reported() {
+        let p = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"),
+            (
+                "FSDP_TRANSFORMER_CLS_TO_WRAP",
+                "LlamaDecoderLayer,BertLayer",
+            ),
+        ])
+        .unwrap()
+        .unwrap();
+        // Blocks declare their class, so the names act (see fsdp/blocks.rs).
+        assert_eq!(
+            p.auto_wrap_policy,
+            AutoWrapPolicy::Transformer {
+                patterns: vec!["LlamaDecoderLayer".into(), "BertLayer".into()]
+            }
+        );
+        assert!(p.inert_settings(&Device::Cpu).is_empty());
+    }
+
+    #[test]
+    fn settings_without_effect_are_named_at_start_up() {
+        let p = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_BACKWARD_PREFETCH", "BACKWARD_POST"),
+            ("FSDP_FORWARD_PREFETCH", "true"),
+            ("FSDP_USE_ORIG_PARAMS", "false"),
+            ("FSDP_OFFLOAD_PARAMS", "true"),
+        ])
+        .unwrap()
+        .unwrap();
+        let w = p.inert_settings(&Device::Cpu).join("\n");
+        for key in [
+            "FSDP_BACKWARD_PREFETCH",
+            "FSDP_FORWARD_PREFETCH",
+            "FSDP_USE_ORIG_PARAMS",
+            "FSDP_OFFLOAD_PARAMS",
+        ] {
+            assert!(w.contains(key), "{key} missing in {w}");
+        }
+        // The defaults act (or are what happens anyway): nothing to say.
+        let d = from(&[("ACCELERATE_USE_FSDP", "true")]).unwrap().unwrap();
+        assert!(d.inert_settings(&Device::Cpu).is_empty());
+        let e = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_BACKWARD_PREFETCH", "SOMETIMES"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("FSDP_BACKWARD_PREFETCH"), "{e}");
+        let e = from(&[
+            ("ACCELERATE_USE_FSDP", "true"),
+            ("FSDP_RESHARD_AFTER_FORWARD", "HALF"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("FSDP_RESHARD_AFTER_FORWARD"), "{e}");
     }
 }

@@ -135,8 +135,9 @@ pub struct TrainingArguments {
     pub save_total_limit: Option<usize>,
     /// Seed of initialisation and data order.
     pub seed: u64,
-    /// Precision mode, overridden by `bf16` / `fp16`.
-    pub mixed_precision: PrecisionType,
+    /// Precision mode, overridden by `bf16` / `fp16`; `None` defers to the
+    /// launcher (`ACCELERATE_MIXED_PRECISION`), then `no`.
+    pub mixed_precision: Option<PrecisionType>,
     /// Compute in bf16 (transformers' flag).
     pub bf16: bool,
     /// Compute in fp16 with a loss scale (transformers' flag).
@@ -195,7 +196,7 @@ impl Default for TrainingArguments {
             save_steps: 500,
             save_total_limit: None,
             seed: 42,
-            mixed_precision: PrecisionType::No,
+            mixed_precision: None,
             bf16: false,
             fp16: false,
             report_to: vec!["jsonl".into()],
@@ -266,15 +267,16 @@ impl TrainingArguments {
         self
     }
 
-    /// The precision mode after the `bf16` / `fp16` flags.
+    /// The precision mode after the `bf16` / `fp16` flags; `None` when
+    /// nothing was chosen, so the Accelerator takes the launcher's.
     ///
     /// # Errors
     /// [`Error::Config`] when both flags are set.
-    pub fn precision(&self) -> Result<PrecisionType> {
+    pub fn precision(&self) -> Result<Option<PrecisionType>> {
         match (self.bf16, self.fp16) {
             (true, true) => Err(config("bf16/fp16", "set at most one of bf16 and fp16")),
-            (true, false) => Ok(PrecisionType::Bf16),
-            (false, true) => Ok(PrecisionType::Fp16),
+            (true, false) => Ok(Some(PrecisionType::Bf16)),
+            (false, true) => Ok(Some(PrecisionType::Fp16)),
             (false, false) => Ok(self.mixed_precision),
         }
     }
@@ -393,12 +395,12 @@ impl TrainingArguments {
         let existing = crate::checkpoint::list_checkpoints(self.output_dir.join("checkpoints"))?;
         project.iteration = existing.last().map_or(0, |(n, _)| n + 1);
         let mut config = AcceleratorConfig::default()
-            .with_mixed_precision(self.precision()?)
             .with_gradient_accumulation_steps(self.gradient_accumulation_steps)
             .with_seed(self.seed)
             .with_project(project)
             .with_log_with(self.trackers())
             .with_ddp(self.ddp_config());
+        config.mixed_precision = self.precision()?;
         config.step_scheduler_with_optimizer = false;
         config = self.accelerator_config.apply(config)?;
         config.fsdp = super::options::fsdp_plugin(&self.fsdp, &self.fsdp_config)?;
@@ -462,9 +464,28 @@ mod tests {
     fn precision_flags_override_and_conflict() {
         let mut a = TrainingArguments::new("out");
         a.bf16 = true;
-        assert_eq!(a.precision().unwrap(), PrecisionType::Bf16);
+        assert_eq!(a.precision().unwrap(), Some(PrecisionType::Bf16));
         a.fp16 = true;
         assert!(a.validate().is_err());
+    }
+
+    #[test]
+    fn unset_precision_is_left_to_the_launcher_and_an_explicit_one_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut a = TrainingArguments::new(dir.path());
+        // None: Accelerator::new takes ACCELERATE_MIXED_PRECISION, then `no`.
+        assert_eq!(a.accelerator_config().unwrap().mixed_precision, None);
+        a.mixed_precision = Some(PrecisionType::No);
+        let c = a.accelerator_config().unwrap();
+        assert_eq!(c.mixed_precision, Some(PrecisionType::No));
+        assert_eq!(
+            crate::config::resolve_precision(c.mixed_precision, Some("bf16")).unwrap(),
+            PrecisionType::No
+        );
+        a.mixed_precision = None;
+        a.bf16 = true;
+        let c = a.accelerator_config().unwrap();
+        assert_eq!(c.mixed_precision, Some(PrecisionType::Bf16));
     }
 
     #[test]
