@@ -354,7 +354,7 @@ impl PreparedModel {
             if m.dtype() == v.dtype() {
                 continue;
             }
-            if !same_bits(&m.as_tensor().to_dtype(v.dtype())?, v.as_tensor())? {
+            if !is_cast_of(v.as_tensor(), m.as_tensor())? {
                 m.set(&v.as_tensor().to_dtype(DType::F32)?)?;
                 adopted.push(name.clone());
             }
@@ -416,36 +416,42 @@ fn present_grads(g: &ModelInner) -> Vec<Tensor> {
         .collect()
 }
 
-/// Whether two tensors of one dtype hold the same bits (NaNs included).
-pub(crate) fn same_bits(a: &Tensor, b: &Tensor) -> Result<bool> {
-    if a.dims() != b.dims() || a.dtype() != b.dtype() {
+/// Whether `copy` (a bf16 or f16 compute copy) is exactly `master` (fp32)
+/// cast down, as `refresh_model_weights` writes it. Host tensors are compared
+/// in place, element by element, with no allocation (this runs before every
+/// mixed-precision step); others through candle ops.
+pub(crate) fn is_cast_of(copy: &Tensor, master: &Tensor) -> Result<bool> {
+    use half::{bf16, f16};
+    if copy.dims() != master.dims() {
         return Ok(false);
     }
-    let bits = |t: &Tensor| -> Result<Vec<u16>> {
-        Ok(match t.dtype() {
-            DType::BF16 => t
-                .flatten_all()?
-                .to_vec1::<half::bf16>()?
-                .iter()
-                .map(|x| x.to_bits())
-                .collect(),
-            DType::F16 => t
-                .flatten_all()?
-                .to_vec1::<half::f16>()?
-                .iter()
-                .map(|x| x.to_bits())
-                .collect(),
-            other => {
-                let f = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                let _ = other;
-                f.iter()
-                    .flat_map(|x| {
-                        let b = x.to_bits();
-                        [b as u16, (b >> 16) as u16]
-                    })
-                    .collect()
-            }
-        })
-    };
-    Ok(bits(a)? == bits(b)?)
+    let host = copy.device().is_cpu() && copy.is_contiguous() && master.is_contiguous();
+    if host && master.dtype() == DType::F32 {
+        let same = accel_kernels::with_slice::<f32, _>(master, "is_cast_of", |m| {
+            Ok(match copy.dtype() {
+                DType::BF16 => accel_kernels::with_slice::<bf16, _>(copy, "is_cast_of", |c| {
+                    Ok(m.iter()
+                        .zip(c)
+                        .all(|(a, b)| bf16::from_f32(*a).to_bits() == b.to_bits()))
+                })?,
+                DType::F16 => accel_kernels::with_slice::<f16, _>(copy, "is_cast_of", |c| {
+                    Ok(m.iter()
+                        .zip(c)
+                        .all(|(a, b)| f16::from_f32(*a).to_bits() == b.to_bits()))
+                })?,
+                _ => false,
+            })
+        })?;
+        if matches!(copy.dtype(), DType::BF16 | DType::F16) {
+            return Ok(same);
+        }
+    }
+    let cast = master.to_dtype(copy.dtype())?;
+    // NaNs differ from themselves; a NaN master cast down is the NaN copy.
+    let differ = cast
+        .ne(copy)?
+        .to_dtype(DType::F32)?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    Ok(differ == 0.0)
 }
