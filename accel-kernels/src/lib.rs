@@ -30,6 +30,7 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_off.rs"]
 pub mod cuda;
+mod devices;
 mod error;
 mod fallback;
 mod multi_tensor;
@@ -37,6 +38,7 @@ mod optim;
 mod slices;
 mod validate;
 
+pub use devices::cuda_device;
 pub use error::{Error, Result};
 pub use multi_tensor::{
     add_in_place, cast_into, cast_tensors, clamp_in_place, has_non_finite, max_abs, scale_in_place,

@@ -93,7 +93,7 @@ fn part_placements(model: &dyn Model, map: &DeviceMap) -> Result<Vec<(String, Pl
 
 /// candle's device for a GPU ordinal, or an error naming the module placed there.
 fn cuda_device(module: &str, ordinal: usize) -> accel_bigmodel::Result<Device> {
-    Device::new_cuda(ordinal).map_err(|e| BmError::DeviceUnavailable {
+    accel_kernels::cuda_device(ordinal).map_err(|e| BmError::DeviceUnavailable {
         module: module.to_string(),
         device: format!("cuda:{ordinal}"),
         reason: e.to_string(),

@@ -485,7 +485,7 @@ fn default_device() -> Result<Device> {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(0);
-            return Ok(Device::new_cuda(local_rank)?);
+            return Ok(accel_kernels::cuda_device(local_rank)?);
         }
     }
     Ok(Device::Cpu)

@@ -175,7 +175,7 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
     fn set_seed_makes_cuda_randn_repeat() -> Result<()> {
-        let dev = Device::new_cuda(0)?;
+        let dev = accel_kernels::cuda_device(0)?;
         let mut acc = Accelerator::new(AcceleratorConfig::default().with_device(dev.clone()))?;
         let draw = || -> Result<Vec<f32>> {
             Ok(candle_core::Tensor::randn(0f32, 1.0, 64, &dev)?.to_vec1::<f32>()?)

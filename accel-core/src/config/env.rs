@@ -1,7 +1,7 @@
 //! What this machine and build can do (CUDA, NCCL, bf16), and the
 //! `ACCELERATE_*` variables `accel launch` hands to each rank.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use crate::{AcceleratorConfig, Error, PrecisionType, Result};
 
@@ -14,7 +14,7 @@ pub const CANDLE_VERSION: &str = "0.11.1";
 /// True when this build has CUDA (`cuda` feature, checked with candle's
 /// `cuda_is_available`) and a CUDA device can be opened.
 pub fn is_cuda_available() -> bool {
-    candle_core::utils::cuda_is_available() && Device::new_cuda(0).is_ok()
+    candle_core::utils::cuda_is_available() && accel_kernels::cuda_device(0).is_ok()
 }
 
 /// True when this build has NCCL (`nccl` feature) and CUDA is available.
@@ -30,7 +30,7 @@ pub fn is_bf16_available() -> bool {
         return true;
     }
     let probe = || -> candle_core::Result<()> {
-        let dev = Device::new_cuda(0)?;
+        let dev = accel_kernels::cuda_device(0)?;
         let a = Tensor::ones((2, 2), DType::BF16, &dev)?;
         a.matmul(&a)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         Ok(())
@@ -44,7 +44,9 @@ pub fn cuda_device_count() -> usize {
         return 0;
     }
     // candle has no count query; open devices until one fails (64 is far above any node).
-    (0..64).take_while(|&i| Device::new_cuda(i).is_ok()).count()
+    (0..64)
+        .take_while(|&i| accel_kernels::cuda_device(i).is_ok())
+        .count()
 }
 
 /// Total memory of this machine in bytes, from `/proc/meminfo` (`None` elsewhere).

@@ -120,7 +120,7 @@ pub(crate) const NCCL_COMPILED: bool = true;
 
 /// The CUDA device NCCL uses for `local_rank`: `cuda:local_rank`.
 pub(crate) fn nccl_device(local_rank: usize) -> Result<Device> {
-    Ok(Device::new_cuda(local_rank)?)
+    Ok(accel_kernels::cuda_device(local_rank)?)
 }
 
 impl NcclCommunicator {
