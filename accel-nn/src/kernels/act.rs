@@ -1,0 +1,174 @@
+//! Pointwise activations and SwiGLU as single ops with fused backward.
+//!
+//! A composed exact GELU backward is a dozen candle ops, each a pass over
+//! memory and a thread hand-off; here forward and backward are one pass.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{as_f32, from_f32, math, tensor_from_f32, with_f32, CHUNK};
+
+/// Pointwise function of the fused kernels (`None` is the identity, used
+/// by `linear` without an activation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Act {
+    /// Identity.
+    None,
+    /// `max(x, 0)`.
+    Relu,
+    /// GELU, tanh approximation.
+    GeluTanh,
+    /// GELU, exact (erf).
+    Gelu,
+    /// `x * sigmoid(x)`.
+    Silu,
+}
+
+multiversion! {
+    /// `y = act(x)` elementwise.
+    fn act_forward(act: Act, x: &[f32], y: &mut [f32]) {
+        let it = y.iter_mut().zip(x);
+        match act {
+            Act::None => it.for_each(|(y, &x)| *y = x),
+            Act::Relu => it.for_each(|(y, &x)| *y = x.max(0.0)),
+            Act::GeluTanh => it.for_each(|(y, &x)| *y = math::gelu_tanh(x)),
+            Act::Gelu => it.for_each(|(y, &x)| *y = math::gelu_erf(x)),
+            Act::Silu => it.for_each(|(y, &x)| *y = math::silu(x)),
+        }
+    }
+}
+
+multiversion! {
+    /// `g *= act'(x)` elementwise.
+    fn act_backward(act: Act, x: &[f32], g: &mut [f32]) {
+        let it = g.iter_mut().zip(x);
+        match act {
+            Act::None => {}
+            Act::Relu => it.for_each(|(g, &x)| if x <= 0.0 { *g = 0.0 }),
+            Act::GeluTanh => it.for_each(|(g, &x)| *g *= math::gelu_tanh_grad(x)),
+            Act::Gelu => it.for_each(|(g, &x)| *g *= math::gelu_erf_grad(x)),
+            Act::Silu => it.for_each(|(g, &x)| *g *= math::silu_grad(x)),
+        }
+    }
+}
+
+/// `y = act(x)` over whole buffers, in parallel chunks.
+pub(super) fn forward_par(act: Act, x: &[f32], y: &mut [f32]) {
+    y.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(y, x)| act_forward(act, x, y));
+}
+
+/// `g *= act'(x)` over whole buffers, in parallel chunks.
+pub(super) fn backward_par(act: Act, x: &[f32], g: &mut [f32]) {
+    g.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(g, x)| act_backward(act, x, g));
+}
+
+struct Pointwise(Act);
+
+/// `act(x)` elementwise on a CPU tensor, differentiable.
+pub(crate) fn pointwise(x: &Tensor, act: Act) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(Pointwise(act))
+}
+
+impl CustomOp1 for Pointwise {
+    fn name(&self) -> &'static str {
+        "accel-activation"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = as_f32(s, l)?;
+        let mut y = vec![0f32; x.len()];
+        forward_par(self.0, &x, &mut y);
+        Ok((from_f32(y, s.dtype())?, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut g = with_f32(grad, |g| Ok(g.to_vec()))?;
+        with_f32(x, |x| {
+            backward_par(self.0, x, &mut g);
+            Ok(())
+        })?;
+        Ok(Some(tensor_from_f32(g, x.shape(), x.dtype())?))
+    }
+}
+
+struct SwiGlu;
+
+/// `silu(gate) * up` on CPU tensors of one shape, differentiable in both.
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
+}
+
+multiversion! {
+    /// `y = silu(g) * u`.
+    fn swiglu_forward(g: &[f32], u: &[f32], y: &mut [f32]) {
+        for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+            *y = math::silu(g) * u;
+        }
+    }
+}
+
+multiversion! {
+    /// `dg = dy * u * silu'(g)` and `du = dy * silu(g)`.
+    fn swiglu_backward(g: &[f32], u: &[f32], dy: &[f32], dg: &mut [f32], du: &mut [f32]) {
+        for i in 0..dg.len() {
+            dg[i] = dy[i] * u[i] * math::silu_grad(g[i]);
+            du[i] = dy[i] * math::silu(g[i]);
+        }
+    }
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "accel-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            bail!("swiglu: gate {:?} and up {:?} differ", l1.dims(), l2.dims())
+        }
+        let (g, u) = (as_f32(s1, l1)?, as_f32(s2, l2)?);
+        let mut y = vec![0f32; g.len()];
+        y.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+            .for_each(|(y, (g, u))| swiglu_forward(g, u, y));
+        Ok((from_f32(y, s1.dtype())?, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let n = gate.elem_count();
+        let (mut dg, mut du) = (vec![0f32; n], vec![0f32; n]);
+        with_f32(gate, |g| {
+            with_f32(up, |u| {
+                with_f32(grad, |dy| {
+                    dg.par_chunks_mut(CHUNK)
+                        .zip(du.par_chunks_mut(CHUNK))
+                        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
+                        .zip(dy.par_chunks(CHUNK))
+                        .for_each(|(((dg, du), (g, u)), dy)| swiglu_backward(g, u, dy, dg, du));
+                    Ok(())
+                })
+            })
+        })?;
+        Ok((
+            Some(tensor_from_f32(dg, gate.shape(), gate.dtype())?),
+            Some(tensor_from_f32(du, up.shape(), up.dtype())?),
+        ))
+    }
+}

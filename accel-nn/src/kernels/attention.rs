@@ -1,0 +1,348 @@
+//! Scaled dot-product attention with causal and additive masks and
+//! grouped-query heads, as one op with a fused backward.
+//!
+//! The composed version copies k and v `n_rep` times (`repeat_kv`),
+//! materialises the mask, runs a five-op softmax, and in backward walks all
+//! of it again. Here every (batch, head) is one rayon task whose gemms read
+//! q, k and v in place with their own strides (a head split of a fused qkv
+//! projection costs no copy), and query heads index their shared kv head
+//! directly. Backward runs one task per (batch, kv head), which owns that
+//! head's dk/dv and its query group's dq, so tasks write disjoint chunks.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::raw::{gemm, gemm_new, MatRef};
+use super::{from_f32, math, strided_f32, tensor_from_f32, with_f32, with_strided_f32};
+
+/// What the fused kernel masks: keys after `offset + i` for query `i`
+/// (causal) and/or an additive f32 bias already broadcast to `[b, h, t, s]`.
+#[derive(Clone, Default)]
+pub(crate) struct MaskSpec {
+    /// Causal masking with the query block starting at this absolute position.
+    pub causal_offset: Option<usize>,
+    /// Additive bias, f32, broadcast to `[b, h, t, s]` (zero strides allowed).
+    pub bias: Option<Tensor>,
+}
+
+/// The op; it keeps the probabilities `[b*h, t, s]` for backward (2 MiB per
+/// layer at the GPT bench shape), cheaper than recomputing them.
+pub(super) struct Attention {
+    pub(super) mask: MaskSpec,
+    pub(super) scale: f32,
+    pub(super) probs: Mutex<Option<Vec<f32>>>,
+}
+
+/// `softmax(q k^T * scale + mask) v` per head for q `[b, h, t, d]` and k, v
+/// `[b, kv_h, s, d]` (`kv_h` divides `h`; query head `i` reads kv head
+/// `i / (h / kv_h)`, as HF's `repeat_kv`). Rows with no visible key give 0.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: MaskSpec,
+    scale: f64,
+) -> Result<Tensor> {
+    // gemm needs unit stride along the head dimension; half inputs are
+    // converted, which needs them contiguous.
+    let prep = |t: &Tensor| -> Result<Tensor> {
+        if t.dtype() != DType::F32 || t.stride().last() != Some(&1) {
+            t.contiguous()
+        } else {
+            Ok(t.clone())
+        }
+    };
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let op = Attention {
+        mask,
+        scale: scale as f32,
+        probs: Mutex::new(None),
+    };
+    q.apply_op3(&k, &v, op)
+}
+
+/// A strided f32 view: (data, start offset, strides).
+pub(super) type View<'a> = (&'a [f32], usize, &'a [usize]);
+
+/// The shapes of one call.
+#[derive(Clone, Copy)]
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) h: usize,
+    pub(super) kvh: usize,
+    pub(super) t: usize,
+    pub(super) s: usize,
+    pub(super) d: usize,
+}
+
+impl Dims {
+    fn of(q: &[usize], k: &[usize], v: &[usize]) -> Result<Self> {
+        let ([b, h, t, d], [kb, kvh, s, kd], [vb, vh, vs, vd]) = (q, k, v) else {
+            bail!("attention: q {q:?}, k {k:?} and v {v:?} must be 4-D")
+        };
+        if (kb, kd) != (b, d) || (vb, vh, vs, vd) != (b, kvh, s, d) || *kvh == 0 || h % kvh != 0 {
+            bail!("attention: q {q:?} needs k and v [{b}, kv_heads dividing {h}, s, {d}], got {k:?} and {v:?}")
+        }
+        Ok(Self {
+            b: *b,
+            h: *h,
+            kvh: *kvh,
+            t: *t,
+            s: *s,
+            d: *d,
+        })
+    }
+}
+
+multiversion! {
+    /// Softmax of the first `live` entries of a row, zeros after them; a
+    /// row with no finite score becomes all zeros (nothing to attend to).
+    fn masked_softmax_row(row: &mut [f32], live: usize) {
+        let (l, dead) = row.split_at_mut(live);
+        dead.fill(0.0);
+        let max = math::max(l);
+        if max == f32::NEG_INFINITY {
+            l.fill(0.0);
+            return;
+        }
+        for v in l.iter_mut() {
+            *v = if *v == f32::NEG_INFINITY { 0.0 } else { math::exp(*v - max) };
+        }
+        let inv = 1.0 / math::sum(l);
+        l.iter_mut().for_each(|v| *v *= inv);
+    }
+}
+
+multiversion! {
+    /// Softmax backward in place: `ds = p * (ds - rowsum(ds * p)) * scale`
+    /// for rows of length `s`, where `ds` holds dP on entry.
+    fn softmax_backward_rows(ds: &mut [f32], p: &[f32], s: usize, scale: f32) {
+        for (dp, pr) in ds.chunks_exact_mut(s).zip(p.chunks_exact(s)) {
+            let dot = math::dot(dp, pr);
+            dp.iter_mut().zip(pr).for_each(|(a, &b)| *a = b * (*a - dot) * scale);
+        }
+    }
+}
+
+impl Attention {
+    /// Adds the bias and applies the masked softmax to the scores `p [t, s]`
+    /// of batch `bi`, head `hi`.
+    fn probabilities(
+        &self,
+        p: &mut [f32],
+        bi: usize,
+        hi: usize,
+        dims: Dims,
+        bias: Option<(&[f32], usize, &[usize])>,
+    ) {
+        let (t, s) = (dims.t, dims.s);
+        for (i, row) in p.chunks_exact_mut(s.max(1)).take(t).enumerate() {
+            if let Some((data, off, st)) = bias {
+                let base = off + bi * st[0] + hi * st[1] + i * st[2];
+                for (j, v) in row.iter_mut().enumerate() {
+                    *v += data[base + j * st[3]];
+                }
+            }
+            let live = match self.mask.causal_offset {
+                Some(o) => (o + i + 1).min(s),
+                None => s,
+            };
+            masked_softmax_row(row, live);
+        }
+    }
+
+    fn forward(
+        &self,
+        q: (&[f32], usize, &[usize]),
+        k: (&[f32], usize, &[usize]),
+        v: (&[f32], usize, &[usize]),
+        dims: Dims,
+        bias: Option<(&[f32], usize, &[usize])>,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let Dims { b, h, kvh, t, s, d } = dims;
+        let n_rep = h / kvh;
+        let mut y = vec![0f32; b * h * t * d];
+        let mut probs = vec![0f32; b * h * t * s];
+        let par = b * h < rayon::current_num_threads();
+        if t == 0 || d == 0 {
+            return (y, probs);
+        }
+        y.par_chunks_mut(t * d)
+            .zip(probs.par_chunks_mut((t * s).max(1)))
+            .enumerate()
+            .for_each(|(bh, (y, p))| {
+                let (bi, hi) = (bh / h, bh % h);
+                let kv = hi / n_rep;
+                let qo = q.1 + bi * q.2[0] + hi * q.2[1];
+                let ko = k.1 + bi * k.2[0] + kv * k.2[1];
+                let vo = v.1 + bi * v.2[0] + kv * v.2[1];
+                gemm(
+                    (t, s, d),
+                    p,
+                    0,
+                    s,
+                    false,
+                    MatRef::rows(q.0, qo, q.2[2]),
+                    MatRef::rows_t(k.0, ko, k.2[2]),
+                    self.scale,
+                    par,
+                );
+                self.probabilities(p, bi, hi, dims, bias);
+                gemm(
+                    (t, d, s),
+                    y,
+                    0,
+                    d,
+                    false,
+                    MatRef::rows(p, 0, s),
+                    MatRef::rows(v.0, vo, v.2[2]),
+                    1.0,
+                    par,
+                );
+            });
+        (y, probs)
+    }
+
+    /// The forward pass with the mask's bias read in place: returns the
+    /// output `[b, h, t, d]` and keeps the probabilities for backward.
+    pub(super) fn run(
+        &self,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        dims: Dims,
+    ) -> Result<Vec<f32>> {
+        let (y, probs) = match &self.mask.bias {
+            Some(bias) => {
+                if bias.dims() != [dims.b, dims.h, dims.t, dims.s] {
+                    bail!("attention: bias {:?} is not [b, h, t, s]", bias.dims())
+                }
+                with_strided_f32(bias, |data, off, st| {
+                    Ok(self.forward(q, k, v, dims, Some((data, off, st))))
+                })?
+            }
+            None => self.forward(q, k, v, dims, None),
+        };
+        *self.probs.lock().unwrap() = Some(probs);
+        Ok(y)
+    }
+
+    /// (dq, dk, dv), contiguous `[b, h, t, d]` / `[b, kv_h, s, d]`, from the
+    /// stored probabilities and the output gradient `g [b, h, t, d]`.
+    pub(super) fn backward(
+        &self,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        g: &[f32],
+        dims: Dims,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let Dims { b, h, kvh, t, s, d } = dims;
+        let n_rep = h / kvh;
+        let guard = self.probs.lock().unwrap();
+        let Some(probs) = guard.as_ref() else {
+            bail!("attention backward without its forward state")
+        };
+        let mut dq = vec![0f32; b * h * t * d];
+        let mut dk = vec![0f32; b * kvh * s * d];
+        let mut dv = vec![0f32; b * kvh * s * d];
+        if t == 0 || s == 0 || d == 0 {
+            return Ok((dq, dk, dv));
+        }
+        let par = b * kvh < rayon::current_num_threads();
+        let ((qd, qo, qs), (kd, ko, ks), (vd, vo, vs)) = (q, k, v);
+        dq.par_chunks_mut(n_rep * t * d)
+            .zip(dk.par_chunks_mut(s * d).zip(dv.par_chunks_mut(s * d)))
+            .enumerate()
+            .for_each(|(group, (dq, (dk, dv)))| {
+                let (bi, kv) = (group / kvh, group % kvh);
+                let ko = ko + bi * ks[0] + kv * ks[1];
+                let vo = vo + bi * vs[0] + kv * vs[1];
+                for r in 0..n_rep {
+                    let hi = kv * n_rep + r;
+                    let bh = bi * h + hi;
+                    let qo = qo + bi * qs[0] + hi * qs[1];
+                    let p = &probs[bh * t * s..(bh + 1) * t * s];
+                    let dy = MatRef::rows(g, bh * t * d, d);
+                    // dP = dY V^T
+                    let mut ds = gemm_new((t, s, d), dy, MatRef::rows_t(vd, vo, vs[2]), par);
+                    // dV += P^T dY
+                    let p_t = MatRef::rows_t(p, 0, s);
+                    gemm((s, d, t), dv, 0, d, r > 0, p_t, dy, 1.0, par);
+                    // dS = P * (dP - rowsum(dP * P)) * scale; 0 where P is.
+                    softmax_backward_rows(&mut ds, p, s, self.scale);
+                    // dQ = dS K, dK += dS^T Q
+                    let (ds_rows, ds_t) = (MatRef::rows(&ds, 0, s), MatRef::rows_t(&ds, 0, s));
+                    let k_rows = MatRef::rows(kd, ko, ks[2]);
+                    gemm(
+                        (t, d, s),
+                        dq,
+                        r * t * d,
+                        d,
+                        false,
+                        ds_rows,
+                        k_rows,
+                        1.0,
+                        par,
+                    );
+                    let q_rows = MatRef::rows(qd, qo, qs[2]);
+                    gemm((s, d, t), dk, 0, d, r > 0, ds_t, q_rows, 1.0, par);
+                }
+            });
+        Ok((dq, dk, dv))
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "accel-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = Dims::of(l1.dims(), l2.dims(), l3.dims())?;
+        let (q, qo, qs) = strided_f32(s1, l1)?;
+        let (k, ko, ks) = strided_f32(s2, l2)?;
+        let (v, vo, vs) = strided_f32(s3, l3)?;
+        let y = self.run((&q, qo, &qs), (&k, ko, &ks), (&v, vo, &vs), dims)?;
+        Ok((from_f32(y, s1.dtype())?, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dims = Dims::of(q.dims(), k.dims(), v.dims())?;
+        let (dq, dk, dv) = with_strided_f32(q, |qd, qo, qs| {
+            with_strided_f32(k, |kd, ko, ks| {
+                with_strided_f32(v, |vd, vo, vs| {
+                    with_f32(grad, |g| {
+                        self.backward((qd, qo, qs), (kd, ko, ks), (vd, vo, vs), g, dims)
+                    })
+                })
+            })
+        })?;
+        let grad_of = |t: &Tensor, data: Vec<f32>| -> Result<Option<Tensor>> {
+            if t.track_op() {
+                Ok(Some(tensor_from_f32(data, t.shape(), t.dtype())?))
+            } else {
+                Ok(None)
+            }
+        };
+        Ok((grad_of(q, dq)?, grad_of(k, dk)?, grad_of(v, dv)?))
+    }
+}

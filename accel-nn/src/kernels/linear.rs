@@ -1,0 +1,244 @@
+//! `act(x @ w^T + b)` as one op with a fused backward.
+//!
+//! Compared with candle's `matmul(w.t()) + broadcast_add` this saves, per
+//! call: the bias broadcast and its reduction in backward, the strided add
+//! that turns the `[in, out]` gradient of `w.t()` back into `[out, in]`
+//! (gemm writes `dW` in place in the right layout here), and the pointwise
+//! activation ops and their backward chains.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+pub(crate) use super::act::Act;
+use super::act::{backward_par, forward_par};
+use super::raw::{gemm, gemm_new, MatRef};
+use super::{as_f32, from_f32, tensor_from_f32, with_f32};
+
+/// The op; it keeps the pre-activation for the backward pass of smooth
+/// activations (ReLU's derivative is read off the output instead).
+struct LinearOp {
+    act: Act,
+    pre_activation: Mutex<Option<Vec<f32>>>,
+}
+
+/// `act(x [n, in] @ w [out, in]^T + b [out])` on 2-D CPU tensors of one
+/// float dtype, differentiable in `x`, `w` and `b`.
+pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Act) -> Result<Tensor> {
+    let op = LinearOp {
+        act,
+        pre_activation: Mutex::new(None),
+    };
+    let x = x.contiguous()?;
+    let w = w.contiguous()?;
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
+        None => x.apply_op2(&w, op),
+    }
+}
+
+impl LinearOp {
+    fn forward(
+        &self,
+        x: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, inp) = x.1.shape().dims2()?;
+        let (out, w_in) = w.1.shape().dims2()?;
+        if w_in != inp {
+            bail!("linear: x is [{n}, {inp}] but w is [{out}, {w_in}]")
+        }
+        let xs = as_f32(x.0, x.1)?;
+        let ws = as_f32(w.0, w.1)?;
+        let (x_rows, w_t) = (MatRef::rows(&xs, 0, inp), MatRef::rows_t(&ws, 0, inp));
+        let mut y = match b {
+            Some(b) => {
+                // Start every row from the bias and let gemm accumulate onto
+                // it, which fuses the bias add into the product.
+                let bs = as_f32(b.0, b.1)?;
+                if bs.len() != out {
+                    bail!("linear: bias has {} entries, expected {out}", bs.len())
+                }
+                let mut y = bs.repeat(n);
+                gemm((n, out, inp), &mut y, 0, out, true, x_rows, w_t, 1.0, true);
+                y
+            }
+            None => gemm_new((n, out, inp), x_rows, w_t, true),
+        };
+        let y = match self.act {
+            Act::None => y,
+            Act::Relu => {
+                y.par_iter_mut().for_each(|v| *v = v.max(0.0));
+                y
+            }
+            act => {
+                let mut a = vec![0f32; y.len()];
+                forward_par(act, &y, &mut a);
+                *self.pre_activation.lock().unwrap() = Some(y);
+                a
+            }
+        };
+        Ok((from_f32(y, x.0.dtype())?, Shape::from((n, out))))
+    }
+
+    /// Gradients of `x`, `w` and (when `with_bias`) `b`, each only when that
+    /// input is part of the graph, since candle asks for all of them.
+    fn backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        with_bias: bool,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (n, inp) = x.dims2()?;
+        let out = w.dim(0)?;
+        with_f32(grad, |g| {
+            // dh: the gradient before the activation; the upstream gradient
+            // itself (borrowed, not copied) when there is no activation.
+            let owned: Vec<f32>;
+            let dh: &[f32] = match self.act {
+                Act::None => g,
+                Act::Relu => {
+                    owned = with_f32(res, |y| {
+                        Ok(g.par_iter()
+                            .zip(y.par_iter())
+                            .map(|(&d, &y)| if y > 0.0 { d } else { 0.0 })
+                            .collect())
+                    })?;
+                    &owned
+                }
+                act => {
+                    let pre = self.pre_activation.lock().unwrap();
+                    let Some(h) = pre.as_ref() else {
+                        bail!("linear backward without its forward state")
+                    };
+                    let mut d = g.to_vec();
+                    backward_par(act, h, &mut d);
+                    owned = d;
+                    &owned
+                }
+            };
+            let dh_rows = MatRef::rows(dh, 0, out);
+            let dx = if x.track_op() {
+                // dx [n, in] = dh [n, out] @ w [out, in]
+                let dx = with_f32(w, |ws| {
+                    Ok(gemm_new(
+                        (n, inp, out),
+                        dh_rows,
+                        MatRef::rows(ws, 0, inp),
+                        true,
+                    ))
+                })?;
+                Some(tensor_from_f32(dx, (n, inp), x.dtype())?)
+            } else {
+                None
+            };
+            let dw = if w.track_op() {
+                // dw [out, in] = dh^T [out, n] @ x [n, in]
+                let dh_t = MatRef::rows_t(dh, 0, out);
+                let dw = with_f32(x, |xs| {
+                    Ok(gemm_new(
+                        (out, inp, n),
+                        dh_t,
+                        MatRef::rows(xs, 0, inp),
+                        true,
+                    ))
+                })?;
+                Some(tensor_from_f32(dw, (out, inp), w.dtype())?)
+            } else {
+                None
+            };
+            let db = if with_bias {
+                Some(tensor_from_f32(column_sums(dh, out), out, w.dtype())?)
+            } else {
+                None
+            };
+            Ok((dx, dw, db))
+        })
+    }
+}
+
+/// Sums the rows of the row-major `m` (row length `cols`), in parallel over
+/// row blocks, then across blocks.
+pub(super) fn column_sums(m: &[f32], cols: usize) -> Vec<f32> {
+    let rows = m.len() / cols.max(1);
+    let block = rows.div_ceil(rayon::current_num_threads()).max(1) * cols;
+    if block == 0 {
+        return vec![0f32; cols];
+    }
+    m.par_chunks(block)
+        .map(|blk| {
+            let mut acc = vec![0f32; cols];
+            for row in blk.chunks_exact(cols) {
+                acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+            }
+            acc
+        })
+        .reduce(
+            || vec![0f32; cols],
+            |mut a, b| {
+                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                a
+            },
+        )
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "accel-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        self.backward(x, w, true, res, grad)
+    }
+}
+
+impl CustomOp2 for LinearOp {
+    fn name(&self) -> &'static str {
+        "accel-linear-nobias"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward((s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.backward(x, w, false, res, grad)?;
+        Ok((dx, dw))
+    }
+}

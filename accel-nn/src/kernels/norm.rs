@@ -1,0 +1,238 @@
+//! Layer norm and RMS norm over the last dimension with backward passes.
+//!
+//! `candle_nn::ops::{layer_norm, rms_norm}` are fast but registered without
+//! backward, and the composed versions are eight elementwise ops and their
+//! gradients. These ops do one pass forward and one pass backward per row;
+//! the row statistics are recomputed in backward rather than stored, since
+//! that is a cheap pass over data that is read anyway.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{as_f32, from_f32, math, rows_per_task, tensor_from_f32, with_f32};
+
+/// Which normalisation (`rms`: no centring, no bias) and its epsilon.
+#[derive(Clone, Copy)]
+struct Norm {
+    eps: f32,
+    rms: bool,
+}
+
+/// `(x - mean) / sqrt(var + eps) * w [+ b]` over the last dimension of `x`,
+/// differentiable in every input.
+pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let op = Norm {
+        eps: eps as f32,
+        rms: false,
+    };
+    let (x, w) = (x.contiguous()?, w.contiguous()?);
+    match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
+        None => x.apply_op2(&w, op),
+    }
+}
+
+/// `x / sqrt(mean(x^2) + eps) * w` over the last dimension, differentiable
+/// in both inputs.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let op = Norm {
+        eps: eps as f32,
+        rms: true,
+    };
+    x.contiguous()?.apply_op2(&w.contiguous()?, op)
+}
+
+/// (mean, 1/std) of one row; the mean is 0 for RMS norm.
+#[inline(always)]
+fn stats(row: &[f32], eps: f32, rms: bool) -> (f32, f32) {
+    let n = row.len() as f32;
+    let mean = if rms { 0.0 } else { math::sum(row) / n };
+    let mut dev = [0f32; 16];
+    let mut chunks = row.chunks_exact(16);
+    for c in &mut chunks {
+        for (a, &v) in dev.iter_mut().zip(c) {
+            *a += (v - mean) * (v - mean);
+        }
+    }
+    let tail: f32 = chunks
+        .remainder()
+        .iter()
+        .map(|&v| (v - mean) * (v - mean))
+        .sum();
+    let var = (dev.iter().sum::<f32>() + tail) / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+multiversion! {
+    /// Normalises every `w.len()`-wide row of `x` into `y`.
+    fn forward_rows(x: &[f32], w: &[f32], b: Option<&[f32]>, y: &mut [f32], eps: f32, rms: bool) {
+        let d = w.len();
+        for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+            let (mean, rstd) = stats(x, eps, rms);
+            match b {
+                Some(b) => {
+                    for j in 0..d {
+                        y[j] = (x[j] - mean) * rstd * w[j] + b[j];
+                    }
+                }
+                None => {
+                    for j in 0..d {
+                        y[j] = (x[j] - mean) * rstd * w[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// Writes the input gradient of every row into `dx` and adds the rows'
+    /// contributions to the weight and bias gradients, which are the first
+    /// two `d`-wide parts of `acc`; its third part is scratch.
+    fn backward_rows(x: &[f32], w: &[f32], g: &[f32], dx: &mut [f32], acc: &mut [f32], eps: f32, rms: bool) {
+        let d = w.len();
+        let (dw, rest) = acc.split_at_mut(d);
+        let (db, xhat) = rest.split_at_mut(d);
+        for (dx, (x, g)) in dx.chunks_exact_mut(d).zip(x.chunks_exact(d).zip(g.chunks_exact(d))) {
+            let (mean, rstd) = stats(x, eps, rms);
+            for j in 0..d {
+                xhat[j] = (x[j] - mean) * rstd;
+                dx[j] = g[j] * w[j]; // dxhat, finished below
+                dw[j] += g[j] * xhat[j];
+                db[j] += g[j];
+            }
+            let m1 = if rms { 0.0 } else { math::sum(dx) / d as f32 };
+            let m2 = math::dot(dx, xhat) / d as f32;
+            for j in 0..d {
+                dx[j] = rstd * (dx[j] - m1 - xhat[j] * m2);
+            }
+        }
+    }
+}
+
+impl Norm {
+    fn forward(
+        &self,
+        x: (&CpuStorage, &Layout),
+        w: (&CpuStorage, &Layout),
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let xs = as_f32(x.0, x.1)?;
+        let ws = as_f32(w.0, w.1)?;
+        let bs = b.map(|(s, l)| as_f32(s, l)).transpose()?;
+        let d = ws.len();
+        if x.1.dims().last() != Some(&d) || bs.as_ref().is_some_and(|b| b.len() != d) || d == 0 {
+            bail!(
+                "norm: x {:?}, weight {:?}, bias {:?}",
+                x.1.dims(),
+                w.1.dims(),
+                b.map(|b| b.1.dims().to_vec())
+            )
+        }
+        let mut y = vec![0f32; xs.len()];
+        let chunk = rows_per_task(xs.len() / d, d) * d;
+        let bs = bs.as_deref();
+        y.par_chunks_mut(chunk)
+            .zip(xs.par_chunks(chunk))
+            .for_each(|(y, x)| forward_rows(x, &ws, bs, y, self.eps, self.rms));
+        Ok((from_f32(y, x.0.dtype())?, x.1.shape().clone()))
+    }
+
+    /// (dx, dw, db) of the normalisation.
+    fn backward(&self, x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let d = w.dim(0)?;
+        let mut dx = vec![0f32; x.elem_count()];
+        let (dw, db) = with_f32(x, |xs| {
+            with_f32(w, |ws| {
+                with_f32(grad, |g| {
+                    let chunk = rows_per_task(xs.len() / d, d) * d;
+                    // Each task writes its rows of dx and returns partial sums
+                    // [dw | db | scratch]; the partials are then added up.
+                    let acc = dx
+                        .par_chunks_mut(chunk)
+                        .zip(xs.par_chunks(chunk).zip(g.par_chunks(chunk)))
+                        .map(|(dx, (x, g))| {
+                            let mut acc = vec![0f32; 3 * d];
+                            backward_rows(x, ws, g, dx, &mut acc, self.eps, self.rms);
+                            acc
+                        })
+                        .reduce(
+                            || vec![0f32; 3 * d],
+                            |mut a, b| {
+                                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                                a
+                            },
+                        );
+                    Ok((acc[..d].to_vec(), acc[d..2 * d].to_vec()))
+                })
+            })
+        })?;
+        Ok((
+            tensor_from_f32(dx, x.shape(), x.dtype())?,
+            tensor_from_f32(dw, d, w.dtype())?,
+            tensor_from_f32(db, d, w.dtype())?,
+        ))
+    }
+}
+
+impl CustomOp3 for Norm {
+    fn name(&self) -> &'static str {
+        "accel-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = self.backward(x, w, grad)?;
+        Ok((Some(dx), Some(dw), Some(db)))
+    }
+}
+
+impl CustomOp2 for Norm {
+    fn name(&self) -> &'static str {
+        if self.rms {
+            "accel-rms-norm"
+        } else {
+            "accel-layer-norm-nobias"
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward((s1, l1), (s2, l2), None)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.backward(x, w, grad)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}

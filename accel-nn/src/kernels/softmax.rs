@@ -1,0 +1,93 @@
+//! Softmax and log-softmax over the last dimension, with backward.
+//!
+//! candle's fused `softmax_last_dim` has no backward and its composed
+//! `softmax` is five ops each way; these are one pass per row. Backward
+//! reads the op's output (`res`), so nothing is kept between passes.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+
+use super::{as_f32, from_f32, math, rows_per_task, tensor_from_f32, with_f32};
+
+/// Softmax (`log == false`) or log-softmax of every row.
+struct Softmax {
+    log: bool,
+}
+
+/// Softmax over the last dimension of a CPU tensor, differentiable.
+pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(Softmax { log: false })
+}
+
+/// Log-softmax over the last dimension of a CPU tensor, differentiable.
+pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(Softmax { log: true })
+}
+
+multiversion! {
+    /// Softmax or log-softmax of every `d`-wide row of `x` into `y`.
+    fn forward_rows(x: &[f32], y: &mut [f32], d: usize, log: bool) {
+        for (y, x) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)) {
+            let max = math::max(x);
+            let sum = math::sum_exp_shifted(x, max);
+            if log {
+                let lse = max + sum.ln();
+                y.iter_mut().zip(x).for_each(|(y, &x)| *y = x - lse);
+            } else {
+                let inv = 1.0 / sum;
+                y.iter_mut().zip(x).for_each(|(y, &x)| *y = math::exp(x - max) * inv);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// Input gradient of every row, in place over `g`: softmax
+    /// `y * (g - <g, y>)`, log-softmax `g - exp(y) * sum(g)`.
+    fn backward_rows(y: &[f32], g: &mut [f32], d: usize, log: bool) {
+        for (g, y) in g.chunks_exact_mut(d).zip(y.chunks_exact(d)) {
+            if log {
+                let s = math::sum(g);
+                g.iter_mut().zip(y).for_each(|(g, &y)| *g -= math::exp(y) * s);
+            } else {
+                let dot = math::dot(g, y);
+                g.iter_mut().zip(y).for_each(|(g, &y)| *g = y * (*g - dot));
+            }
+        }
+    }
+}
+
+impl CustomOp1 for Softmax {
+    fn name(&self) -> &'static str {
+        if self.log {
+            "accel-log-softmax"
+        } else {
+            "accel-softmax"
+        }
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = as_f32(s, l)?;
+        let d = l.dims().last().copied().unwrap_or(1).max(1);
+        let mut y = vec![0f32; x.len()];
+        let chunk = rows_per_task(x.len() / d, d) * d;
+        y.par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk))
+            .for_each(|(y, x)| forward_rows(x, y, d, self.log));
+        Ok((from_f32(y, s.dtype())?, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let d = x.dims().last().copied().unwrap_or(1).max(1);
+        let mut g = with_f32(grad, |g| Ok(g.to_vec()))?;
+        with_f32(res, |y| {
+            let chunk = rows_per_task(y.len() / d, d) * d;
+            g.par_chunks_mut(chunk)
+                .zip(y.par_chunks(chunk))
+                .for_each(|(g, y)| backward_rows(y, g, d, self.log));
+            Ok(())
+        })?;
+        Ok(Some(tensor_from_f32(g, x.shape(), x.dtype())?))
+    }
+}

@@ -1,0 +1,169 @@
+//! Activations with fused CPU forward/backward, and [`Activation`], the
+//! enum HF configs name them by.
+
+use candle_core::{bail, Result, Tensor};
+use serde::Deserialize;
+
+use super::{fused, upcast};
+use crate::kernels::{self, Act};
+
+/// A pointwise activation as named in Hugging Face configs
+/// (`hidden_act`), so a model can take it straight from `config.json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum Activation {
+    /// Exact GELU, `x * Phi(x)` (PyTorch `gelu`, HF `"gelu"`).
+    #[serde(rename = "gelu")]
+    Gelu,
+    /// GELU's tanh approximation (GPT-2's `"gelu_new"`, PyTorch
+    /// `approximate="tanh"`, HF `"gelu_pytorch_tanh"`).
+    #[serde(alias = "gelu_new", alias = "gelu_pytorch_tanh", rename = "gelu_tanh")]
+    GeluTanh,
+    /// `x * sigmoid(x)` (HF `"silu"` and `"swish"`, Llama's MLP).
+    #[serde(alias = "swish", rename = "silu")]
+    Silu,
+    /// `max(x, 0)`.
+    #[serde(rename = "relu")]
+    Relu,
+}
+
+impl Activation {
+    /// Applies the activation (fused on CPU, composed elsewhere).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if fused(x) {
+            kernels::pointwise(x, self.kernel())
+        } else {
+            composed_activation(x, Some(*self))
+        }
+    }
+
+    /// The kernel-side name of the same function.
+    pub(crate) fn kernel(self) -> Act {
+        match self {
+            Activation::Gelu => Act::Gelu,
+            Activation::GeluTanh => Act::GeluTanh,
+            Activation::Silu => Act::Silu,
+            Activation::Relu => Act::Relu,
+        }
+    }
+}
+
+impl candle_core::Module for Activation {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Activation::forward(self, x)
+    }
+}
+
+/// Exact (erf) GELU, PyTorch's default `gelu`.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    Activation::Gelu.forward(x)
+}
+
+/// Tanh-approximated GELU (HF `gelu_new` / `gelu_pytorch_tanh`).
+pub fn gelu_tanh(x: &Tensor) -> Result<Tensor> {
+    Activation::GeluTanh.forward(x)
+}
+
+/// SiLU / swish, `x * sigmoid(x)`.
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    Activation::Silu.forward(x)
+}
+
+/// ReLU; candle's own has a backward too, this one also computes half
+/// inputs in f32 like the other activations here.
+pub fn relu(x: &Tensor) -> Result<Tensor> {
+    Activation::Relu.forward(x)
+}
+
+/// `silu(gate) * up`, the gated MLP of Llama-style models, in one pass.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.dims() != up.dims() {
+        bail!(
+            "swiglu: gate {:?} and up {:?} differ",
+            gate.dims(),
+            up.dims()
+        )
+    }
+    if fused(gate) && gate.dtype() == up.dtype() {
+        kernels::swiglu(gate, up)
+    } else {
+        composed_swiglu(gate, up)
+    }
+}
+
+/// Composed activation (`None` is the identity), in f32 for half inputs.
+pub fn composed_activation(x: &Tensor, act: Option<Activation>) -> Result<Tensor> {
+    let Some(act) = act else {
+        return Ok(x.clone());
+    };
+    let dtype = x.dtype();
+    let x = upcast(x)?;
+    let y = match act {
+        Activation::Gelu => x.gelu_erf()?,
+        Activation::GeluTanh => x.gelu()?,
+        Activation::Silu => x.silu()?,
+        Activation::Relu => x.relu()?,
+    };
+    y.to_dtype(dtype)
+}
+
+/// Composed SwiGLU, in f32 for half inputs.
+pub fn composed_swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let dtype = gate.dtype();
+    (upcast(gate)?.silu()? * upcast(up)?)?.to_dtype(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testing::*;
+
+    #[test]
+    fn activations_match_composed_and_finite_differences() -> Result<()> {
+        for (i, act) in [
+            Activation::Gelu,
+            Activation::GeluTanh,
+            Activation::Silu,
+            Activation::Relu,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            check_op(
+                &[vec![4, 33]],
+                10 + i as u64,
+                &|xs| act.forward(&xs[0]),
+                &|xs| composed_activation(&xs[0], Some(act)),
+            )?;
+        }
+        check_op(
+            &[vec![3, 20], vec![3, 20]],
+            20,
+            &|xs| swiglu(&xs[0], &xs[1]),
+            &|xs| composed_swiglu(&xs[0], &xs[1]),
+        )
+    }
+
+    #[test]
+    fn hf_config_names_parse() {
+        let parse = |s: &str| serde_json::from_str::<Activation>(&format!("\"{s}\"")).unwrap();
+        assert_eq!(parse("gelu"), Activation::Gelu);
+        assert_eq!(parse("gelu_new"), Activation::GeluTanh);
+        assert_eq!(parse("gelu_pytorch_tanh"), Activation::GeluTanh);
+        assert_eq!(parse("silu"), Activation::Silu);
+        assert_eq!(parse("swish"), Activation::Silu);
+        assert_eq!(parse("relu"), Activation::Relu);
+        assert!(serde_json::from_str::<Activation>("\"tanh\"").is_err());
+    }
+
+    #[test]
+    fn exact_and_tanh_gelu_differ_as_in_pytorch() -> Result<()> {
+        // torch.nn.functional.gelu(torch.tensor([1.0, -2.0]))
+        //   -> [0.8413447, -0.0455003]; with approximate="tanh"
+        //   -> [0.8411920, -0.0454023].
+        let x = Tensor::new(&[1f32, -2.0], &candle_core::Device::Cpu)?;
+        let want = Tensor::new(&[0.841_344_7f32, -0.045_500_3], &candle_core::Device::Cpu)?;
+        assert_close(&gelu(&x)?, &want, 1e-6, "gelu")?;
+        let want = Tensor::new(&[0.841_192f32, -0.045_402_3], &candle_core::Device::Cpu)?;
+        assert_close(&gelu_tanh(&x)?, &want, 1e-6, "gelu_tanh")
+    }
+}

@@ -1,0 +1,197 @@
+//! Cross entropy with HF's ignored targets, and the fused lm_head + loss.
+
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+use super::fused;
+use super::linear::composed_linear;
+use super::softmax::composed_log_softmax_last_dim;
+use crate::kernels;
+
+/// HF's `ignore_index` for i64 targets.
+const IGNORE_I64: i64 = -100;
+
+/// Mean cross entropy of `logits [.., classes]` against class ids
+/// `targets [..]`, over the positions whose target is not ignored (i64
+/// `-100` as in HF/PyTorch, or u32 `u32::MAX`). The loss is an f32 scalar
+/// for f32/f16/bf16 logits (f64 for f64; a bf16 log-sum-exp is too coarse to train
+/// on); it is 0, with zero gradients, when every target is ignored.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (logits, targets) = flatten(logits, targets)?;
+    if fused(&logits) {
+        kernels::cross_entropy(&logits, &cpu_targets(&targets)?)
+    } else {
+        composed_cross_entropy(&logits, &targets)
+    }
+}
+
+/// `cross_entropy(x @ w^T, targets)` for `x [.., d]` and `w [classes, d]`
+/// (a tied or untied lm_head), without the logits entering the autograd
+/// graph on CPU: the fused op keeps them privately and turns them into
+/// their gradient in place, saving a `[n, vocab]` gradient accumulator.
+pub fn linear_cross_entropy(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (x, targets) = flatten(x, targets)?;
+    if fused(&x) && x.dtype() == w.dtype() {
+        kernels::linear_cross_entropy(&x, w, &cpu_targets(&targets)?)
+    } else {
+        composed_linear_cross_entropy(&x, w, &targets)
+    }
+}
+
+/// `[.., c]` and `[..]` as `[n, c]` and `[n]`.
+fn flatten(logits: &Tensor, targets: &Tensor) -> Result<(Tensor, Tensor)> {
+    let Some((&c, lead)) = logits.dims().split_last() else {
+        bail!("cross_entropy: logits must have a class dimension")
+    };
+    if lead != targets.dims() {
+        bail!(
+            "cross_entropy: logits {:?} need targets {lead:?}, got {:?}",
+            logits.dims(),
+            targets.dims()
+        )
+    }
+    if logits.rank() == 2 {
+        return Ok((logits.clone(), targets.clone()));
+    }
+    let n = targets.elem_count();
+    Ok((logits.reshape((n, c))?, targets.reshape(n)?))
+}
+
+/// CPU u32 targets with ignored positions as `u32::MAX`, as the kernels
+/// take them.
+fn cpu_targets(targets: &Tensor) -> Result<Tensor> {
+    match targets.dtype() {
+        DType::U32 => targets.to_device(&Device::Cpu),
+        DType::I64 => {
+            let v = targets.to_vec1::<i64>()?;
+            let mapped = v
+                .iter()
+                .map(|&t| match t {
+                    IGNORE_I64 => Ok(u32::MAX),
+                    t if (0..u32::MAX as i64).contains(&t) => Ok(t as u32),
+                    t => bail!("cross_entropy: target {t} is neither a class id nor -100"),
+                })
+                .collect::<Result<Vec<u32>>>()?;
+            Tensor::from_vec(mapped, v.len(), &Device::Cpu)
+        }
+        other => bail!("cross_entropy: targets must be u32 or i64, got {other:?}"),
+    }
+}
+
+/// Composed cross entropy on `[n, c]` logits: log-softmax in f32, gather,
+/// masked mean.
+pub fn composed_cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (logits, targets) = flatten(logits, targets)?;
+    let compute = if logits.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let logp = composed_log_softmax_last_dim(&logits.to_dtype(compute)?)?;
+    let ignored = match targets.dtype() {
+        DType::U32 => targets.eq(u32::MAX as f64)?,
+        DType::I64 => targets.eq(IGNORE_I64 as f64)?,
+        other => bail!("cross_entropy: targets must be u32 or i64, got {other:?}"),
+    };
+    let safe = ignored.where_cond(&targets.zeros_like()?, &targets)?;
+    let picked = logp.gather(&safe.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let valid = ignored.eq(0.0)?.to_dtype(compute)?;
+    let count = valid.sum_all()?.clamp(1f32, f32::MAX)?;
+    (picked * valid)?.sum_all()?.neg()?.div(&count)
+}
+
+/// Composed fused-linear cross entropy: the logits are materialised.
+pub fn composed_linear_cross_entropy(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    composed_cross_entropy(&composed_linear(x, w, None, None)?, targets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::testing::*;
+
+    fn targets_u32() -> Result<Tensor> {
+        Tensor::new(&[[0u32, 5, u32::MAX], [3, u32::MAX, 6]], &Device::Cpu)
+    }
+
+    #[test]
+    fn cross_entropy_matches_composed_and_finite_differences_with_ignored_targets() -> Result<()> {
+        let t = targets_u32()?;
+        check_op(
+            &[vec![2, 3, 7]],
+            80,
+            &|xs| cross_entropy(&xs[0], &t),
+            &|xs| composed_cross_entropy(&xs[0], &t),
+        )?;
+        let t64 = Tensor::new(&[[0i64, 5, -100], [3, -100, 6]], &Device::Cpu)?;
+        check_op(
+            &[vec![2, 3, 7]],
+            81,
+            &|xs| cross_entropy(&xs[0], &t64),
+            &|xs| composed_cross_entropy(&xs[0], &t64),
+        )?;
+        check_op(
+            &[vec![2, 3, 5], vec![7, 5]],
+            82,
+            &|xs| linear_cross_entropy(&xs[0], &xs[1], &t),
+            &|xs| composed_linear_cross_entropy(&xs[0], &xs[1], &t),
+        )
+    }
+
+    #[test]
+    fn cross_entropy_agrees_with_candle_nn_on_unignored_targets() -> Result<()> {
+        let x = randn(&[5, 9], 1, 2.0)?;
+        let t = Tensor::new(&[1u32, 0, 8, 4, 4], &Device::Cpu)?;
+        let want = candle_nn::loss::cross_entropy(&x, &t)?;
+        assert_close(&cross_entropy(&x, &t)?, &want, 1e-6, "fused")?;
+        assert_close(&composed_cross_entropy(&x, &t)?, &want, 1e-6, "composed")?;
+        // Ignoring a row is the same as dropping it.
+        let t2 = Tensor::new(&[1u32, u32::MAX, 8, 4, 4], &Device::Cpu)?;
+        let idx = Tensor::new(&[0u32, 2, 3, 4], &Device::Cpu)?;
+        let want =
+            candle_nn::loss::cross_entropy(&x.index_select(&idx, 0)?, &t.index_select(&idx, 0)?)?;
+        assert_close(&cross_entropy(&x, &t2)?, &want, 1e-6, "ignored")
+    }
+
+    #[test]
+    fn all_ignored_gives_zero_and_bad_targets_are_refused() -> Result<()> {
+        let x = candle_core::Var::from_tensor(&randn(&[2, 4], 1, 1.0)?)?;
+        let t = Tensor::new(&[-100i64, -100], &Device::Cpu)?;
+        let loss = cross_entropy(&x, &t)?;
+        assert_eq!(loss.to_scalar::<f32>()?, 0.0);
+        let g = loss.backward()?;
+        assert_eq!(
+            g.get(x.as_tensor())
+                .unwrap()
+                .abs()?
+                .sum_all()?
+                .to_scalar::<f32>()?,
+            0.0
+        );
+        assert!(cross_entropy(&x, &Tensor::new(&[4u32, 0], &Device::Cpu)?).is_err());
+        assert!(cross_entropy(&x, &Tensor::new(&[-1i64, 0], &Device::Cpu)?).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn linear_cross_entropy_supports_a_second_backward() -> Result<()> {
+        let (x, w) = (
+            candle_core::Var::from_tensor(&randn(&[9, 8], 8, 1.0)?)?,
+            candle_core::Var::from_tensor(&randn(&[21, 8], 9, 1.0)?)?,
+        );
+        let t = Tensor::new(&[0u32, 5, 20, 3, 3, 7, 19, 1, 0], &Device::Cpu)?;
+        let fused = linear_cross_entropy(&x, &w, &t)?;
+        let want = composed_linear_cross_entropy(&x, &w, &t)?.backward()?;
+        // The first backward consumes the saved logits; the second recomputes them.
+        for _ in 0..2 {
+            let got = fused.backward()?;
+            for v in [&x, &w] {
+                let (g, e) = (
+                    got.get(v.as_tensor()).unwrap(),
+                    want.get(v.as_tensor()).unwrap(),
+                );
+                assert_close(g, e, 1e-5, "gradient")?;
+            }
+        }
+        Ok(())
+    }
+}
