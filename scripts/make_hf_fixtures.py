@@ -75,8 +75,11 @@ def decoder_reference(folder, input_ids):
         )
         # the margins of every greedy step, re-run on the full sequence
         gen_logits = model(gen).logits[0, len(input_ids[0]) - 1 : -1]
+    no_split = type(model.base_model.layers[0] if hasattr(model.base_model, "layers")
+                    else model.base_model.h[0]).__name__
     return {
         "input_ids": input_ids,
+        "device_maps": device_maps(model, no_split),
         "logits": out.logits.tolist(),
         "loss": float(out.loss),
         "generate": {
@@ -86,6 +89,22 @@ def decoder_reference(folder, input_ids):
         },
         "min_top2_gap": min(top2_gap(out.logits), top2_gap(gen_logits)),
     }
+
+
+def device_maps(model, no_split):
+    """Accelerate's `infer_auto_device_map` for the transformers model under a
+    few CPU budgets (the rest on disk), with the decoder layer class as
+    no-split: what the Rust planner must reproduce, key order included."""
+    from accelerate import infer_auto_device_map
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = []
+    for frac in (0.5, 0.75, 0.9):
+        budget = {"cpu": int(total * frac), "disk": "1GB"}
+        plan = infer_auto_device_map(model, max_memory=budget, no_split_module_classes=[no_split])
+        out.append({"max_memory": budget, "no_split_module_classes": [no_split],
+                    "device_map": [[k, v] for k, v in plan.items()]})
+    return out
 
 
 def bert_reference(folder, input_ids, attention_mask):
@@ -103,6 +122,7 @@ def bert_reference(folder, input_ids, attention_mask):
         "last_hidden_state": h.tolist(),
         "pooler_output": out.pooler_output.tolist(),
         "mean_pooled": mean.tolist(),
+        "device_maps": device_maps(model, "BertLayer"),
     }
 
 
