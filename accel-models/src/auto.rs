@@ -175,6 +175,17 @@ impl AutoModel {
         }
     }
 
+    /// transformers' block class that must stay on one device: the decoder
+    /// or encoder layer (`LlamaDecoderLayer`, `GPT2Block`, `BertLayer`), what
+    /// `no_split_module_classes` and `fsdp_transformer_layer_cls_to_wrap` name.
+    pub fn layer_class(&self) -> &'static str {
+        match self {
+            Self::Llama(m) => m.config().family.layer_class(),
+            Self::Gpt2(_) => "GPT2Block",
+            Self::Bert(_) => "BertLayer",
+        }
+    }
+
     /// The vocabulary size.
     pub fn vocab_size(&self) -> usize {
         match self {

@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod gpt;
+pub mod hf;
 mod kernels;
 pub mod mlp;
 pub mod mnist_like;
