@@ -41,4 +41,6 @@ pub use trainer::{
 pub use accel_bigmodel as bigmodel;
 pub use accel_dist as dist;
 pub use accel_kernels as kernels;
+/// Hugging Face architectures on the block protocol (accel-models).
+pub use accel_models as models;
 pub use accel_nn as nn;

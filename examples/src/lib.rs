@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod gpt;
+pub mod hf;
 pub mod mlp;
 pub mod mnist_like;
 pub mod stock;

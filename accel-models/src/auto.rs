@@ -1,0 +1,215 @@
+//! [`AutoModel`]: any supported checkpoint folder, picked by `model_type`.
+
+use std::path::Path;
+
+use accel_bigmodel::{
+    infer_auto_device_map, CheckpointSource, DeviceMap, EmptyWeights, ModuleTree, PlanOptions,
+};
+use accel_nn::block::{AnyBlock, Model};
+use accel_nn::{
+    load_checkpoint_and_dispatch, DeviceMapChoice, DispatchReport, LoadDispatchOptions,
+};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::error::bail_input;
+use crate::{Bert, Gpt2, Llama, ModelConfig, Result};
+
+/// A model of whichever architecture a folder's `config.json` names
+/// (transformers' `AutoModel` / `AutoModelForCausalLM`).
+#[derive(Debug)]
+pub enum AutoModel {
+    /// `llama`, `mistral`, `qwen2`.
+    Llama(Llama),
+    /// `gpt2`.
+    Gpt2(Gpt2),
+    /// `bert`.
+    Bert(Bert),
+}
+
+impl AutoModel {
+    /// Builds the architecture of `cfg` on `vb`.
+    ///
+    /// # Errors
+    /// A weight the source lacks or holds in another shape.
+    pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
+        Ok(match cfg {
+            ModelConfig::Llama(c) => Self::Llama(Llama::new(c, vb)?),
+            ModelConfig::Gpt2(c) => Self::Gpt2(Gpt2::new(c, vb)?),
+            ModelConfig::Bert(c) => Self::Bert(Bert::new(c, vb)?),
+        })
+    }
+
+    /// Loads a checkpoint folder onto `device`, weights converted to `dtype`.
+    ///
+    /// # Errors
+    /// Those of [`ModelConfig::from_path`]; a missing shard, tensor or shape
+    /// mismatch, naming the file and the tensor.
+    pub fn load(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let cfg = ModelConfig::from_path(dir)?;
+        let source = CheckpointSource::open(dir)?;
+        Self::new(
+            &cfg,
+            VarBuilder::from_backend(Box::new(source), dtype, device.clone()),
+        )
+    }
+
+    /// The model of a checkpoint folder with placeholder weights (nothing
+    /// read), its optional parts (BERT's pooler, GPT-2's prefix) as the
+    /// checkpoint has them: what [`accel_nn::dispatch_model`] and
+    /// [`load_checkpoint_and_dispatch`] take (Accelerate's
+    /// `init_empty_weights`).
+    ///
+    /// # Errors
+    /// As [`AutoModel::load`], without reading tensor data.
+    pub fn empty(dir: impl AsRef<Path>, dtype: DType) -> Result<Self> {
+        let dir = dir.as_ref();
+        let cfg = ModelConfig::from_path(dir)?;
+        let source = CheckpointSource::open(dir)?;
+        let known = EmptyWeights::with_known_names(source.names().map(str::to_string));
+        Self::new(&cfg, known.var_builder(dtype, &Device::Cpu))
+    }
+
+    /// Loads a checkpoint folder dispatched as `opts` says (CPU and disk
+    /// offload, a device map or Accelerate's "auto" planning over
+    /// [`Model::tree`]): Accelerate's `load_checkpoint_and_dispatch` on an
+    /// empty model.
+    ///
+    /// # Errors
+    /// As [`AutoModel::empty`] and [`load_checkpoint_and_dispatch`].
+    pub fn load_dispatched(
+        dir: impl AsRef<Path>,
+        opts: &LoadDispatchOptions,
+    ) -> Result<(Self, DispatchReport)> {
+        let dir = dir.as_ref();
+        let model = Self::empty(dir, opts.dtype.unwrap_or(DType::F32))?;
+        let mut opts = opts.clone();
+        if let DeviceMapChoice::Auto(plan) = &opts.device_map {
+            let map = model.plan_device_map(plan)?;
+            opts.device_map = DeviceMapChoice::Map(model.weights_only(&map));
+        }
+        let report = load_checkpoint_and_dispatch(&model, dir, &opts)?;
+        Ok((model, report))
+    }
+
+    /// Accelerate's `infer_auto_device_map` over the model's own module tree
+    /// (transformers' module order, tied `lm_head`, rotary and position
+    /// buffers): the map Python plans for the transformers model under the
+    /// same budget. Pass the block class in `no_split_module_classes` to
+    /// keep decoder layers whole.
+    ///
+    /// # Errors
+    /// Those of [`infer_auto_device_map`].
+    pub fn plan_device_map(&self, plan: &PlanOptions) -> Result<DeviceMap> {
+        // Weights as built; `plan.dtype` converts them in the sizes, as in Accelerate.
+        let tree = self.tree(None)?;
+        Ok(infer_auto_device_map(&tree, plan)?.device_map)
+    }
+
+    /// `map` without the keys that hold no weight (buffer-only modules such
+    /// as `model.rotary_emb`, which Python places but which this crate
+    /// recomputes per forward): what [`accel_nn::dispatch_model`] accepts.
+    pub fn weights_only(&self, map: &DeviceMap) -> DeviceMap {
+        let names: Vec<String> = self.named_tensors().into_iter().map(|(n, _)| n).collect();
+        let blocks: Vec<String> = self.blocks().iter().map(|b| b.name()).collect();
+        map.iter()
+            .filter(|(k, _)| {
+                let prefix = format!("{k}.");
+                k.is_empty()
+                    || blocks.iter().any(|b| b == k)
+                    || names.iter().any(|n| n == k || n.starts_with(&prefix))
+            })
+            .map(|(k, p)| (k.to_string(), p))
+            .collect()
+    }
+
+    /// Logits `[b, t, vocab]` for the decoders, the last hidden state
+    /// `[b, t, d]` for BERT (no attention mask).
+    ///
+    /// # Errors
+    /// Whatever the model returns.
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Llama(m) => m.forward(ids),
+            Self::Gpt2(m) => m.forward(ids),
+            Self::Bert(m) => m.forward(ids, None, None),
+        }
+    }
+
+    /// Mean next-token cross-entropy (decoders only).
+    ///
+    /// # Errors
+    /// [`crate::Error::BadInput`] for BERT; whatever the model returns.
+    pub fn loss(&self, ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Llama(m) => m.loss(ids, labels),
+            Self::Gpt2(m) => m.loss(ids, labels),
+            Self::Bert(_) => bail_input!("loss", "BERT has no language-model head"),
+        }
+    }
+
+    /// Greedy decoding with a KV cache (decoders only).
+    ///
+    /// # Errors
+    /// [`crate::Error::BadInput`] for BERT; whatever the model returns.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        eos_token_ids: &[u32],
+    ) -> Result<Vec<u32>> {
+        match self {
+            Self::Llama(m) => m.generate(prompt, max_new_tokens, eos_token_ids),
+            Self::Gpt2(m) => m.generate(prompt, max_new_tokens, eos_token_ids),
+            Self::Bert(_) => bail_input!("generate", "BERT is an encoder"),
+        }
+    }
+
+    /// The token ids that end generation by default (`eos_token_id`).
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        match self {
+            Self::Llama(m) => m.config().eos_token_ids.clone(),
+            Self::Gpt2(m) => m.config().eos_token_id.into_iter().collect(),
+            Self::Bert(_) => Vec::new(),
+        }
+    }
+
+    /// transformers' block class that must stay on one device: the decoder
+    /// or encoder layer (`LlamaDecoderLayer`, `GPT2Block`, `BertLayer`), what
+    /// `no_split_module_classes` and `fsdp_transformer_layer_cls_to_wrap` name.
+    pub fn layer_class(&self) -> &'static str {
+        match self {
+            Self::Llama(m) => m.config().family.layer_class(),
+            Self::Gpt2(_) => "GPT2Block",
+            Self::Bert(_) => "BertLayer",
+        }
+    }
+
+    /// The vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Self::Llama(m) => m.config().vocab_size,
+            Self::Gpt2(m) => m.config().vocab_size,
+            Self::Bert(m) => m.config().vocab_size,
+        }
+    }
+
+    fn inner(&self) -> &dyn Model {
+        match self {
+            Self::Llama(m) => m,
+            Self::Gpt2(m) => m,
+            Self::Bert(m) => m,
+        }
+    }
+}
+
+impl Model for AutoModel {
+    fn blocks(&self) -> Vec<&dyn AnyBlock> {
+        self.inner().blocks()
+    }
+
+    fn tree(&self, dtype: Option<DType>) -> accel_nn::Result<ModuleTree> {
+        self.inner().tree(dtype)
+    }
+}

@@ -1,0 +1,124 @@
+//! Block bodies and helpers the architectures share: token embedding, the
+//! output projection with its fused loss, label shifting, masks.
+
+use accel_nn::block::{Activations, BlockForward};
+use accel_nn::layers::Embedding;
+use accel_nn::ops::{self, AttentionMask};
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::bail_input;
+use crate::Result;
+
+/// Token ids `[b, t]` to embeddings `[b, t, d]` (class `Embedding`).
+pub(crate) struct TokenEmbedding(pub Embedding);
+
+impl BlockForward for TokenEmbedding {
+    fn forward(&self, x: &Activations) -> candle_core::Result<Tensor> {
+        candle_core::Module::forward(&self.0, &x.hidden)
+    }
+}
+
+/// The output projection `lm_head` (class `Linear`), tied or not: logits, or
+/// with labels the mean cross-entropy with the logits never materialised in
+/// the autograd graph (the fused linear + loss op).
+pub(crate) struct LmHead {
+    /// `[vocab, d]`: `lm_head.weight` or the tied embedding table.
+    pub weight: Tensor,
+}
+
+impl BlockForward for LmHead {
+    fn forward(&self, x: &Activations) -> candle_core::Result<Tensor> {
+        match &x.labels {
+            Some(labels) => ops::linear_cross_entropy(&x.hidden, &self.weight, labels),
+            None => ops::linear(&x.hidden, &self.weight, None, None),
+        }
+    }
+}
+
+/// transformers' causal-LM label shift: position `i` predicts `labels[i + 1]`
+/// and the last position predicts nothing, so the loss is the mean over the
+/// `t - 1` real targets of each row (and over non-ignored ones: `-100` for
+/// i64 labels, `u32::MAX` for u32).
+pub(crate) fn shift_labels(labels: &Tensor) -> Result<Tensor> {
+    let (b, t) = labels.dims2()?;
+    if t == 0 {
+        bail_input!("loss", "labels have no positions");
+    }
+    let ignore = match labels.dtype() {
+        DType::I64 => Tensor::full(-100i64, (b, 1), labels.device())?,
+        DType::U32 => Tensor::full(u32::MAX, (b, 1), labels.device())?,
+        other => bail_input!("loss", "labels must be u32 or i64, got {other:?}"),
+    };
+    Ok(Tensor::cat(&[&labels.narrow(1, 1, t - 1)?, &ignore], 1)?)
+}
+
+/// The causal mask of a decoder layer for `t` new queries over `s` keys
+/// (`s - t` of them cached), with the activations' additive bias and
+/// Mistral's sliding window when they apply.
+pub(crate) fn causal_mask(
+    x: &Activations,
+    t: usize,
+    s: usize,
+    window: Option<usize>,
+) -> candle_core::Result<AttentionMask> {
+    let offset = s - t;
+    let window_bias = match window {
+        Some(w) if s > w => Some(sliding_window_bias(t, s, w, x.hidden.dtype(), x.device())?),
+        _ => None,
+    };
+    let bias = match (&x.attention_bias, window_bias) {
+        (Some(a), Some(w)) => Some(a.broadcast_add(&w)?),
+        (Some(a), None) => Some(a.clone()),
+        (None, w) => w,
+    };
+    Ok(match bias {
+        Some(bias) => AttentionMask::CausalAndAdditive { offset, bias },
+        None => AttentionMask::Causal { offset },
+    })
+}
+
+/// `[t, s]` bias hiding keys `window` or more positions behind the query
+/// (transformers' sliding-window mask: key `j` is seen from position `p`
+/// when `p - j < window`).
+fn sliding_window_bias(
+    t: usize,
+    s: usize,
+    window: usize,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let offset = s - t;
+    let data: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..s).map(move |j| {
+                if offset + i >= j + window {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Tensor::from_vec(data, (t, s), device)?.to_dtype(dtype)
+}
+
+/// `[b, t, heads * hd]` to `[b, heads, t, hd]`.
+pub(crate) fn split_heads(x: &Tensor, heads: usize, hd: usize) -> candle_core::Result<Tensor> {
+    let (b, t, _) = x.dims3()?;
+    x.reshape((b, t, heads, hd))?.transpose(1, 2)?.contiguous()
+}
+
+/// `[b, heads, t, hd]` to `[b, t, heads * hd]`.
+pub(crate) fn merge_heads(x: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, h, t, hd) = x.dims4()?;
+    x.transpose(1, 2)?.reshape((b, t, h * hd))
+}
+
+/// The device a block's weights live on (where its inputs are created).
+pub(crate) fn weights_device(block: &dyn accel_nn::AnyBlock) -> Device {
+    block
+        .weights()
+        .tensors()
+        .first()
+        .map_or(Device::Cpu, |(_, t)| t.device().clone())
+}

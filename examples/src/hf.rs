@@ -1,0 +1,106 @@
+//! What the Hugging Face command-line examples (`hf_logits`, `generate`)
+//! share: loading a checkpoint folder plainly, with a planned budget
+//! (`--max-memory cpu=300KB,disk=1GB`) or a device map file, and printing the
+//! device map as Python writes it.
+
+use std::path::{Path, PathBuf};
+
+use accel_core::bigmodel::{DeviceMap, MemorySize, Placement, PlanOptions};
+use accel_core::models::AutoModel;
+use accel_core::nn::{DeviceMapChoice, LoadDispatchOptions};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+
+/// How to place a model: all on the CPU, planned under a budget, or by a map.
+#[derive(Debug, Clone, Default)]
+pub struct Placing {
+    /// `cpu=300KB,disk=1GB` (Accelerate's `max_memory`).
+    pub max_memory: Option<String>,
+    /// A JSON device map as Python writes it.
+    pub device_map: Option<PathBuf>,
+    /// Where disk parts that the checkpoint cannot serve are written.
+    pub offload_folder: Option<PathBuf>,
+}
+
+/// `"cpu=300KB,disk=1GB"` as Accelerate's `max_memory` entries, in order.
+///
+/// # Errors
+/// An entry without `=`, an unknown device.
+pub fn parse_max_memory(text: &str) -> Result<Vec<(Placement, MemorySize)>> {
+    text.split(',')
+        .filter(|e| !e.trim().is_empty())
+        .map(|entry| {
+            let (device, size) = entry
+                .split_once('=')
+                .with_context(|| format!("--max-memory entry {entry:?} is not DEVICE=SIZE"))?;
+            Ok((
+                Placement::parse_key(device.trim())?,
+                MemorySize::Text(size.trim().to_string()),
+            ))
+        })
+        .collect()
+}
+
+/// Loads `dir` placed as `placing` says; returns the model and the device map
+/// to print (the planned one as Accelerate plans it for the transformers
+/// model, the file's, or `{"": "cpu"}` for a plain load).
+///
+/// # Errors
+/// Bad flags, a bad checkpoint, a map naming modules the model lacks.
+pub fn load(dir: &Path, placing: &Placing) -> Result<(AutoModel, DeviceMap)> {
+    let map = match (&placing.max_memory, &placing.device_map) {
+        (Some(_), Some(_)) => bail!("give --max-memory or --device-map, not both"),
+        (None, None) => {
+            let model = AutoModel::load(dir, DType::F32, &Device::Cpu)?;
+            return Ok((
+                model,
+                [(String::new(), Placement::Cpu)].into_iter().collect(),
+            ));
+        }
+        (Some(budget), None) => {
+            let empty = AutoModel::empty(dir, DType::F32)?;
+            let plan = PlanOptions::new(parse_max_memory(budget)?)
+                .with_no_split_module_classes([empty.layer_class()]);
+            empty.plan_device_map(&plan)?
+        }
+        (None, Some(file)) => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("reading --device-map {}", file.display()))?;
+            serde_json::from_str(&text)
+                .with_context(|| format!("{}: not a device map", file.display()))?
+        }
+    };
+    let empty = AutoModel::empty(dir, DType::F32)?;
+    let opts = LoadDispatchOptions {
+        device_map: DeviceMapChoice::Map(empty.weights_only(&map)),
+        dtype: None,
+        offload_folder: placing.offload_folder.clone(),
+        main_device: None,
+    };
+    drop(empty);
+    let (model, _report) = AutoModel::load_dispatched(dir, &opts)?;
+    Ok((model, map))
+}
+
+/// The device map as a JSON object text in the map's order (Python's
+/// order; `serde_json::Value` would sort the keys).
+///
+/// # Errors
+/// Never in practice (serialising strings).
+pub fn device_map_json(map: &DeviceMap) -> Result<String> {
+    Ok(serde_json::to_string(map)?)
+}
+
+/// `1,17,42` as token ids.
+///
+/// # Errors
+/// A piece that is not a non-negative integer.
+pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
+    text.split(',')
+        .map(|s| {
+            s.trim()
+                .parse::<u32>()
+                .with_context(|| format!("{s:?} is not a token id"))
+        })
+        .collect()
+}
