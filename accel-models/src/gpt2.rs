@@ -31,10 +31,15 @@ const INIT: Init = Init::Randn {
 
 /// A `Conv1D` of transformers: weight stored `[in, out]`, used as a
 /// `Linear` on its transpose.
+///
+/// The transpose stays a view of the weight, never a copy made here: a
+/// built block is cached and reused while its weights are updated in place
+/// (`PreparedModel::load_checkpoint`, optimizer steps), so a copy taken at
+/// build time would keep the values the weight had then.
 fn conv1d(inp: usize, out: usize, vb: VarBuilder) -> candle_core::Result<Linear> {
     let w = vb.get_with_hints((inp, out), "weight", INIT)?;
     let b = vb.get_with_hints(out, "bias", Init::Const(0.0))?;
-    Ok(Linear::new(w.t()?.contiguous()?, Some(b)))
+    Ok(Linear::new(w.t()?, Some(b)))
 }
 
 /// The learned position table, added to the token embeddings at the

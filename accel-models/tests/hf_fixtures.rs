@@ -113,6 +113,34 @@ fn decoder_loss_matches_transformers_with_shifted_labels() {
     }
 }
 
+/// Weights written into the model's variables in place after it ran (as a
+/// training run loads a checkpoint, then steps its optimizer) are the ones
+/// its next forward uses: no block keeps a copy of a weight made when it was
+/// built (GPT-2's transposed `Conv1D` once did).
+#[test]
+fn weights_updated_in_place_reach_the_next_forward() {
+    for name in DECODERS {
+        let r = reference(name);
+        let ids = ids_tensor(&r["input_ids"]);
+        let varmap = candle_nn::VarMap::new();
+        let cfg = accel_models::ModelConfig::from_path(fixture(name)).unwrap();
+        let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+        let model = AutoModel::new(&cfg, vb).unwrap();
+        model.loss(&ids, &ids).unwrap();
+        let source = accel_bigmodel::CheckpointSource::open(fixture(name)).unwrap();
+        for (n, var) in varmap.data().lock().unwrap().iter() {
+            var.set(&source.tensor(n, &Device::Cpu, Some(DType::F32)).unwrap())
+                .unwrap();
+        }
+        let loss: f32 = model.loss(&ids, &ids).unwrap().to_scalar().unwrap();
+        let want = r["loss"].as_f64().unwrap() as f32;
+        assert!(
+            (loss - want).abs() < TOL,
+            "{name}: loss {loss} after loading in place vs transformers' {want}"
+        );
+    }
+}
+
 #[test]
 fn greedy_generate_with_kv_cache_equals_transformers() {
     for name in DECODERS {
