@@ -24,6 +24,9 @@ pub enum Error {
     /// A layer, block or hook error (boxed: it can carry a big-model error).
     #[error(transparent)]
     Nn(Box<accel_nn::Error>),
+    /// A model architecture, config or checkpoint-folder error (boxed as `Nn`).
+    #[error(transparent)]
+    Models(Box<accel_models::Error>),
 
     // === files and formats ===
     /// Reading or writing a file failed.
@@ -172,5 +175,11 @@ macro_rules! bail {
 impl From<accel_nn::Error> for Error {
     fn from(e: accel_nn::Error) -> Self {
         Error::Nn(Box::new(e))
+    }
+}
+
+impl From<accel_models::Error> for Error {
+    fn from(e: accel_models::Error) -> Self {
+        Error::Models(Box::new(e))
     }
 }
