@@ -10,6 +10,7 @@
 //! the same batches can be replayed against the PyTorch reference.
 #![warn(missing_docs)]
 
+pub mod finetune_hf;
 pub mod gpt;
 pub mod hf;
 pub mod mlp;

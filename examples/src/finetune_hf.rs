@@ -1,0 +1,274 @@
+//! Fine-tuning a Hugging Face causal language model folder on a fixed batch
+//! of token ids: the `finetune_hf` example, kept in the library so the
+//! integration tests can run the very same code as a binary of their own.
+//!
+//! The model is built with [`Accelerator::prepare`], so one program runs
+//! plain, data-parallel under `accel launch` or sharded under a config file
+//! with `distributed_type: FSDP`, and starts from the folder's weights in
+//! every precision ([`PreparedModel::load_checkpoint`]). The batch is split
+//! across the ranks as Accelerate's `split_batches` does, and the loss each
+//! step prints is that of the whole batch, so every way of running prints
+//! the same numbers.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use accel_core::dist::ReduceOp;
+use accel_core::models::{AutoModel, ModelConfig};
+use accel_core::optim::{AdamW, AdamWConfig};
+use accel_core::{Accelerator, AcceleratorConfig, PrecisionType, PreparedModel};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Tensor};
+use clap::Parser;
+use serde_json::{json, Value};
+
+/// `finetune_hf`'s flags.
+#[derive(Parser, Debug, Clone)]
+#[command(
+    about = "Fine-tune a Hugging Face causal LM folder (llama, mistral, qwen2, gpt2) on a fixed batch of token ids",
+    long_about = "Fine-tune a Hugging Face causal LM folder (llama, mistral, qwen2, gpt2) on a fixed \
+batch of token ids with AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0, constant learning rate). \
+Every step trains on the whole batch; under `accel launch` each rank takes its contiguous share \
+(Accelerate's split_batches), and the printed loss is the mean next-token cross-entropy of the whole \
+batch before the step's update. Plain, MULTI_CPU/MULTI_GPU and FSDP (distributed_type: FSDP in the \
+launcher's config file) runs print the same losses."
+)]
+pub struct Args {
+    /// Checkpoint folder: config.json and model.safetensors (or shards with an index).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// JSON file: an array of equal-length token-id sequences, the batch of every step.
+    #[arg(long)]
+    pub data_ids: PathBuf,
+    /// Optimizer steps to run.
+    #[arg(long, default_value_t = 10)]
+    pub steps: u64,
+    /// AdamW learning rate (constant; weight decay 0).
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    /// no, bf16 or fp16 [default: the launcher's ACCELERATE_MIXED_PRECISION, else no].
+    #[arg(long)]
+    pub mixed_precision: Option<PrecisionType>,
+    /// Print one JSON object per line: the setup, then `{"step": k, "loss": f}` per step.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The token ids of `path`: a JSON array of non-empty, equal-length arrays
+/// of ids below `vocab_size`, each at least 2 long (one next token).
+///
+/// # Errors
+/// Unreadable file, bad JSON, an empty batch, ragged or too short
+/// sequences, an id outside the vocabulary; every message names the file.
+pub fn read_batch(path: &Path, vocab_size: usize) -> Result<Vec<Vec<u32>>> {
+    let name = path.display();
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading --data-ids {name}"))?;
+    let seqs: Vec<Vec<u64>> = serde_json::from_str(&text).with_context(|| {
+        format!("{name}: not a JSON array of token-id sequences (arrays of non-negative integers)")
+    })?;
+    let Some(first) = seqs.first() else {
+        bail!("{name}: the batch is empty (need at least one sequence)");
+    };
+    let len = first.len();
+    if len < 2 {
+        bail!("{name}: sequence 0 has {len} token(s); a next-token loss needs at least 2");
+    }
+    let mut batch = Vec::with_capacity(seqs.len());
+    for (i, seq) in seqs.iter().enumerate() {
+        if seq.len() != len {
+            bail!(
+                "{name}: ragged batch: sequence {i} has {} tokens, sequence 0 has {len} \
+                 (every sequence must have the same length)",
+                seq.len()
+            );
+        }
+        if let Some((j, id)) = seq
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id >= vocab_size as u64)
+        {
+            bail!(
+                "{name}: token id {id} at sequence {i}, position {j} is outside the model's \
+                 vocabulary (vocab_size {vocab_size})"
+            );
+        }
+        batch.push(seq.iter().map(|&id| id as u32).collect());
+    }
+    Ok(batch)
+}
+
+/// The rows `[start, end)` of a batch of `n` this rank trains on: its
+/// contiguous share, as Accelerate's `split_batches`.
+///
+/// # Errors
+/// `n` not a multiple of `world` (Accelerate refuses the same).
+pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(usize, usize)> {
+    if n % world != 0 {
+        bail!(
+            "{}: {n} sequences cannot be split evenly between {world} processes \
+             (split_batches needs the batch to be a multiple of the number of processes)",
+            data.display()
+        );
+    }
+    let per = n / world;
+    Ok((rank * per, (rank + 1) * per))
+}
+
+/// Vocabulary size of a decoder config; BERT is refused.
+fn decoder_vocab(cfg: &ModelConfig, dir: &Path) -> Result<usize> {
+    match cfg {
+        ModelConfig::Llama(c) => Ok(c.vocab_size),
+        ModelConfig::Gpt2(c) => Ok(c.vocab_size),
+        ModelConfig::Bert(_) => bail!(
+            "{}: model_type bert is an encoder without a language-model head; finetune_hf \
+             trains causal language models (llama, mistral, qwen2, gpt2)",
+            dir.display()
+        ),
+    }
+}
+
+/// Builds the model as the run trains (plain, DDP or FSDP) and returns it
+/// with its parameters and the `sharding` value of the setup line.
+fn prepare_model(
+    acc: &mut Accelerator,
+    cfg: &ModelConfig,
+) -> Result<(AutoModel, PreparedModel, Value)> {
+    if acc.config().fsdp.is_some() {
+        let (model, fsdp) = acc.prepare_fsdp_model(|vb| AutoModel::new(cfg, vb))?;
+        let sharding = json!({
+            "strategy": fsdp.strategy().name(),
+            "units": fsdp.unit_names().len(),
+        });
+        return Ok((model, fsdp.params().clone(), sharding));
+    }
+    let (model, params) = acc.prepare(|vb| AutoModel::new(cfg, vb))?;
+    Ok((model, params, Value::Null))
+}
+
+/// Runs the fine-tuning job, writing its lines to `out` on the main process.
+///
+/// # Errors
+/// Bad flags, checkpoint or data file; a failed step or collective.
+pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
+    let cfg = accel_core::models::ModelConfig::from_path(&args.model)?;
+    let vocab = decoder_vocab(&cfg, &args.model)?;
+    let batch = read_batch(&args.data_ids, vocab)?;
+
+    let mut config = AcceleratorConfig::default();
+    // Unset: Accelerator::new takes the launcher's precision, then `no`.
+    config.mixed_precision = args.mixed_precision;
+    let mut acc = Accelerator::new(config)?;
+    let (model, params, sharding) = prepare_model(&mut acc, &cfg)?;
+    params
+        .load_checkpoint(&args.model)
+        .with_context(|| format!("loading the weights of {}", args.model.display()))?;
+    let mut opt = acc.prepare_optimizer(
+        &params,
+        AdamW::new(AdamWConfig {
+            lr: args.lr,
+            weight_decay: 0.0,
+            ..Default::default()
+        }),
+    );
+
+    let (world, rank) = (acc.num_processes(), acc.process_index());
+    let (start, end) = rank_share(batch.len(), world, rank, &args.data_ids)?;
+    let len = batch[0].len();
+    let mine: Vec<u32> = batch[start..end].iter().flatten().copied().collect();
+    let ids = Tensor::from_vec(mine, (end - start, len), acc.device())?;
+    // Positions with a next token: the shifted labels drop the last one.
+    let tokens = ((end - start) * (len - 1)) as f64;
+
+    let main = acc.is_main_process();
+    // Written by hand to keep the keys in this order (serde_json sorts them).
+    let setup = format!(
+        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {world}, "sharding": {sharding}}}}}"#,
+        json!(acc.distributed_type().to_string()),
+        json!(acc.mixed_precision().to_string()),
+    );
+    if main {
+        if args.json {
+            writeln!(out, "{setup}")?;
+        } else {
+            writeln!(
+                out,
+                "{} on {}: {world} process(es), {}, sharding {}, {} parameters here, batch {}x{len}",
+                args.model.display(),
+                acc.distributed_type(),
+                acc.mixed_precision(),
+                if sharding.is_null() { "none".to_string() } else { sharding.to_string() },
+                params.num_parameters(),
+                batch.len()
+            )?;
+        }
+    }
+    for step in 1..=args.steps {
+        let loss = model.loss(&ids, &ids)?;
+        let local = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        // The whole batch's mean: sum over ranks of loss x tokens, over all tokens.
+        let parts = Tensor::new(&[local * tokens, tokens], acc.device())?;
+        let sums = acc.reduce(&parts, ReduceOp::Sum)?.to_vec1::<f64>()?;
+        let whole = sums[0] / sums[1];
+        acc.backward(&loss)?;
+        opt.step()?;
+        opt.zero_grad();
+        if main {
+            if args.json {
+                writeln!(out, r#"{{"step": {step}, "loss": {}}}"#, json!(whole))?;
+            } else {
+                writeln!(out, "step {step}: loss {whole:.6}")?;
+            }
+            out.flush()?;
+        }
+    }
+    acc.end_training()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ids.json");
+        std::fs::write(&path, text).unwrap();
+        (dir, path)
+    }
+
+    #[test]
+    fn a_good_batch_reads() {
+        let (_d, p) = file("[[1, 2, 3], [4, 5, 6]]");
+        assert_eq!(
+            read_batch(&p, 10).unwrap(),
+            vec![vec![1, 2, 3], vec![4, 5, 6]]
+        );
+    }
+
+    #[test]
+    fn bad_batches_name_the_file_and_the_fault() {
+        for (text, want) in [
+            ("[[1, 2], [3", "not a JSON array"),
+            ("{\"a\": 1}", "not a JSON array"),
+            ("[[1, -2]]", "not a JSON array"),
+            ("[]", "empty"),
+            ("[[1]]", "at least 2"),
+            ("[[1, 2, 3], [4, 5]]", "ragged"),
+            ("[[1, 2], [3, 10]]", "vocab_size 10"),
+        ] {
+            let (_d, p) = file(text);
+            let e = format!("{:#}", read_batch(&p, 10).unwrap_err());
+            assert!(e.contains("ids.json") && e.contains(want), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_batch_splits_into_contiguous_shares() {
+        let p = Path::new("ids.json");
+        assert_eq!(rank_share(4, 2, 1, p).unwrap(), (2, 4));
+        assert_eq!(rank_share(3, 1, 0, p).unwrap(), (0, 3));
+        let e = rank_share(3, 2, 0, p).unwrap_err().to_string();
+        assert!(e.contains("ids.json") && e.contains("2 processes"), "{e}");
+    }
+}
