@@ -1,0 +1,301 @@
+//! The `finetune_hf` program on the tiny transformers-written Llama: its first
+//! loss is transformers' own, and one process, two ranks under `accel launch`
+//! and an FSDP config file print the same losses.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const WORKER: &str = env!("CARGO_BIN_EXE_finetune_hf_worker");
+const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/hf")
+        .join(name)
+}
+
+fn reference(name: &str) -> Value {
+    let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Runs `cmd` to completion within 120 s with `ACCELERATE_MIXED_PRECISION`
+/// set to `precision` (a launcher's), else unset; returns (success, stdout, stderr).
+fn run_with(mut cmd: Command, precision: Option<&str>) -> (bool, String, String) {
+    // A precision left in the test's environment must not leak into the runs.
+    cmd.env_remove("ACCELERATE_MIXED_PRECISION");
+    if let Some(p) = precision {
+        cmd.env("ACCELERATE_MIXED_PRECISION", p);
+    }
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        out.read_to_string(&mut s).unwrap();
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        err.read_to_string(&mut s).unwrap();
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("{cmd:?} ran past 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status.success(), out.join().unwrap(), err.join().unwrap())
+}
+
+fn run(cmd: Command) -> (bool, String, String) {
+    run_with(cmd, None)
+}
+
+/// The setup object and the per-step losses of one run's output (rank 0's
+/// lines under the launcher, whose prefix is dropped).
+fn parse(stdout: &str) -> (Value, Vec<f64>) {
+    let lines: Vec<Value> = stdout
+        .lines()
+        .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    assert!(!lines.is_empty(), "no JSON lines in {stdout}");
+    let setup = lines[0]["setup"].clone();
+    assert!(
+        setup.is_object(),
+        "first line is not the setup: {}",
+        lines[0]
+    );
+    let losses = lines[1..]
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            assert_eq!(l["step"].as_u64(), Some(i as u64 + 1), "{l}");
+            l["loss"].as_f64().unwrap()
+        })
+        .collect();
+    (setup, losses)
+}
+
+/// A data file with `ids` in `dir`.
+fn data(dir: &Path, ids: &Value) -> PathBuf {
+    let path = dir.join("ids.json");
+    std::fs::write(&path, ids.to_string()).unwrap();
+    path
+}
+
+/// The batch of the reference's two sequences and two more.
+fn four_sequences() -> Value {
+    let mut ids = reference("llama")["input_ids"].as_array().unwrap().clone();
+    ids.push(serde_json::json!([1, 9, 33, 7, 81, 2, 45]));
+    ids.push(serde_json::json!([5, 5, 70, 127, 0, 64, 11]));
+    Value::Array(ids)
+}
+
+fn flags(model: &Path, data: &Path, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = vec![
+        "--model".into(),
+        model.display().to_string(),
+        "--data-ids".into(),
+        data.display().to_string(),
+        "--steps".into(),
+        "4".into(),
+        "--lr".into(),
+        "1e-2".into(),
+        "--json".into(),
+    ];
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+fn one_process(model: &Path, data: &Path, extra: &[&str]) -> (Value, Vec<f64>) {
+    let mut cmd = Command::new(WORKER);
+    cmd.args(flags(model, data, extra));
+    let (ok, out, err) = run(cmd);
+    assert!(ok, "finetune_hf failed: {err}");
+    parse(&out)
+}
+
+fn launched(launch_flags: &[&str], model: &Path, data: &Path) -> (Value, Vec<f64>) {
+    let mut cmd = Command::new(LAUNCH);
+    cmd.arg("launch")
+        .args(launch_flags)
+        .arg(WORKER)
+        .args(flags(model, data, &[]));
+    let (ok, out, err) = run(cmd);
+    assert!(ok, "accel launch failed: {err}\n{out}");
+    parse(&out)
+}
+
+fn assert_close(a: &[f64], b: &[f64], tol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (k, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() < tol, "{what}: step {}: {x} vs {y}", k + 1);
+    }
+}
+
+#[test]
+fn the_first_loss_is_transformers_and_the_loss_falls() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reference("llama");
+    let ids = data(tmp.path(), &r["input_ids"]);
+    let (setup, losses) = one_process(&fixture("llama"), &ids, &[]);
+    assert_eq!(setup["distributed"], "NO");
+    assert_eq!(setup["mixed_precision"], "no");
+    assert_eq!(setup["world_size"], 1);
+    assert!(setup["sharding"].is_null(), "{setup}");
+    let want = r["loss"].as_f64().unwrap();
+    assert!(
+        (losses[0] - want).abs() < 1e-4,
+        "first loss {} vs transformers' {want}",
+        losses[0]
+    );
+    assert_eq!(losses.len(), 4);
+    assert!(losses[3] < losses[0], "{losses:?}");
+}
+
+#[test]
+fn two_ranks_under_accel_launch_give_the_one_process_losses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = data(tmp.path(), &four_sequences());
+    let model = fixture("llama");
+    let (_, one) = one_process(&model, &ids, &[]);
+    let (setup, two) = launched(&["--num_processes", "2", "--cpu"], &model, &ids);
+    assert_eq!(setup["distributed"], "MULTI_CPU");
+    assert_eq!(setup["world_size"], 2);
+    assert!(setup["sharding"].is_null(), "{setup}");
+    assert_close(&one, &two, 1e-5, "MULTI_CPU at 2 ranks vs 1 process");
+}
+
+/// An Accelerate config file for 2 CPU ranks under FSDP FULL_SHARD, each
+/// `class` block a unit.
+fn fsdp_config(dir: &Path, class: &str) -> String {
+    let config = dir.join("default_config.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "compute_environment: LOCAL_MACHINE\n\
+             distributed_type: FSDP\n\
+             mixed_precision: 'no'\n\
+             num_machines: 1\n\
+             num_processes: 2\n\
+             machine_rank: 0\n\
+             use_cpu: true\n\
+             fsdp_config:\n  \
+               fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  \
+               fsdp_sharding_strategy: FULL_SHARD\n  \
+               fsdp_transformer_layer_cls_to_wrap: {class}\n  \
+               fsdp_state_dict_type: FULL_STATE_DICT\n"
+        ),
+    )
+    .unwrap();
+    config.display().to_string()
+}
+
+#[test]
+fn an_fsdp_config_file_shards_each_decoder_layer_and_gives_the_one_process_losses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = data(tmp.path(), &four_sequences());
+    let model = fixture("llama");
+    let config = fsdp_config(tmp.path(), "LlamaDecoderLayer");
+    let (_, one) = one_process(&model, &ids, &[]);
+    let (setup, sharded) = launched(&["--config_file", &config], &model, &ids);
+    assert_eq!(setup["distributed"], "FSDP");
+    assert_eq!(setup["world_size"], 2);
+    assert_eq!(setup["sharding"]["strategy"], "FULL_SHARD", "{setup}");
+    // The fixture's two LlamaDecoderLayers.
+    assert_eq!(setup["sharding"]["units"], 2, "{setup}");
+    assert_close(
+        &one,
+        &sharded,
+        1e-5,
+        "FSDP FULL_SHARD at 2 ranks vs 1 process",
+    );
+}
+
+/// GPT-2 (tied head, `Conv1D` weights stored transposed) too: transformers'
+/// first loss, and the same losses plain, at 2 ranks and sharded by `GPT2Block`.
+#[test]
+fn gpt2_starts_at_transformers_loss_and_trains_the_same_every_way() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("gpt2");
+    let r = reference("gpt2");
+    let ref_ids = data(tmp.path(), &r["input_ids"]);
+    let (_, losses) = one_process(&model, &ref_ids, &[]);
+    let want = r["loss"].as_f64().unwrap();
+    assert!((losses[0] - want).abs() < 1e-4, "{} vs {want}", losses[0]);
+    assert!(losses[3] < losses[0], "{losses:?}");
+
+    let ids = data(tmp.path(), &four_sequences());
+    let (_, one) = one_process(&model, &ids, &[]);
+    let (_, two) = launched(&["--num_processes", "2", "--cpu"], &model, &ids);
+    assert_close(&one, &two, 1e-5, "GPT-2 MULTI_CPU at 2 ranks vs 1 process");
+    let config = fsdp_config(tmp.path(), "GPT2Block");
+    let (setup, sharded) = launched(&["--config_file", &config], &model, &ids);
+    assert_eq!(setup["sharding"]["units"], 2, "{setup}");
+    assert_close(&one, &sharded, 1e-5, "GPT-2 FSDP at 2 ranks vs 1 process");
+}
+
+#[test]
+fn bf16_starts_from_the_checkpoint_within_bf16_tolerance_and_the_flag_beats_the_launcher() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = data(tmp.path(), &reference("llama")["input_ids"]);
+    let model = fixture("llama");
+    let (_, fp32) = one_process(&model, &ids, &[]);
+    let (setup, bf16) = one_process(&model, &ids, &["--mixed-precision", "bf16"]);
+    assert_eq!(setup["mixed_precision"], "bf16");
+    // bf16 keeps 8 bits of mantissa: about 0.4% per rounding, far less on average.
+    assert!(
+        (bf16[0] - fp32[0]).abs() < 0.02 * fp32[0],
+        "bf16 {} vs fp32 {}",
+        bf16[0],
+        fp32[0]
+    );
+    assert!(bf16[0] != fp32[0], "bf16 computed in fp32?");
+    // The launcher's precision applies when the flag is absent; the flag wins.
+    let with_env = |extra: &[&str]| {
+        let mut cmd = Command::new(WORKER);
+        cmd.args(flags(&model, &ids, extra));
+        let (ok, out, err) = run_with(cmd, Some("bf16"));
+        assert!(ok, "{err}");
+        parse(&out).0["mixed_precision"].clone()
+    };
+    assert_eq!(with_env(&[]), "bf16");
+    assert_eq!(with_env(&["--mixed-precision", "no"]), "no");
+}
+
+#[test]
+fn bert_and_bad_data_files_are_refused_with_the_file_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = data(tmp.path(), &reference("llama")["input_ids"]);
+    let mut cmd = Command::new(WORKER);
+    cmd.args(flags(&fixture("bert"), &ids, &[]));
+    let (ok, _, err) = run(cmd);
+    assert!(!ok);
+    assert!(err.contains("bert") && err.contains("causal"), "{err}");
+
+    let ragged = tmp.path().join("ragged.json");
+    std::fs::write(&ragged, "[[1, 2, 3], [4, 5]]").unwrap();
+    let too_big = tmp.path().join("too_big.json");
+    std::fs::write(&too_big, "[[1, 2, 128]]").unwrap();
+    for (file, want) in [(&ragged, "ragged"), (&too_big, "vocab_size 128")] {
+        let mut cmd = Command::new(WORKER);
+        cmd.args(flags(&fixture("llama"), file, &[]));
+        let (ok, _, err) = run(cmd);
+        assert!(!ok);
+        let name = file.file_name().unwrap().to_str().unwrap();
+        assert!(err.contains(name) && err.contains(want), "{err}");
+    }
+}
