@@ -6,20 +6,29 @@
 //! cargo run --release --example finetune -- --max-steps 200
 //! cargo run --release --example finetune -- --max-steps 300 --resume      # continue the run
 //! accel launch --num_processes 2 --cpu target/release/examples/finetune   # data parallel
+//! cargo run --release --example finetune -- --model tests/fixtures/hf/llama --max-steps 50
 //! ```
+//!
+//! With `--model DIR` it fine-tunes a Hugging Face causal LM folder instead
+//! (llama, mistral, qwen2, gpt2), starting from its weights, on the corpus
+//! tokenised by the folder's `tokenizer.json`; `--fsdp` then wraps each of
+//! its decoder layers (`LlamaDecoderLayer`, `GPT2Block`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use accel_core::data::TensorDataset;
+use accel_core::models::{ModelConfig, Tokenizer};
 use accel_core::nn::{AnyBlock, Model};
 use accel_core::trainer::{
     IntervalStrategy, Predictions, SchedulerType, TrainModel, Trainer, TrainingArguments,
 };
 use accel_core::PrecisionType;
+use accel_examples::finetune_hf::read_batch;
+use accel_examples::hf::HfLm;
 use accel_examples::text::{windows, CharTokenizer, CORPUS};
 use accel_examples::{Gpt, GptConfig};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use clap::Parser;
 
@@ -72,6 +81,15 @@ struct Args {
     /// each block `h.*` becomes a unit.
     #[arg(long, default_value = "")]
     fsdp: String,
+    /// Fine-tune this Hugging Face causal LM folder (config.json, safetensors,
+    /// tokenizer.json) from its weights instead of the character-level GPT.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// With --model: train on these token ids (a JSON array of equal-length
+    /// sequences; the last tenth, at least one, held out) instead of the
+    /// corpus through tokenizer.json.
+    #[arg(long, requires = "model")]
+    data_ids: Option<PathBuf>,
 }
 
 /// The GPT as a `TrainModel`: batches are (inputs, next characters). Under
@@ -115,29 +133,38 @@ fn dataset(tok: &CharTokenizer, text: &str, block: usize) -> Result<TensorDatase
     Ok(TensorDataset::new(vec![x, y])?)
 }
 
-fn main() -> Result<()> {
-    let cli = Args::parse();
-    let tok = CharTokenizer::new(CORPUS);
-    let cfg = if cli.tiny {
-        GptConfig {
-            vocab_size: tok.vocab_size(),
-            n_embd: 64,
-            n_layer: 2,
-            n_head: 2,
-            block_size: 32,
-        }
-    } else {
-        GptConfig::char_small(tok.vocab_size())
-    };
-    // Hold out the last tenth of the text, so evaluation windows never
-    // overlap training windows.
+/// The corpus split at nine tenths, so evaluation windows never overlap
+/// training windows.
+fn split_corpus() -> (String, String) {
     let chars: Vec<char> = CORPUS.chars().collect();
     let cut = chars.len() * 9 / 10;
-    let train_text: String = chars[..cut].iter().collect();
-    let eval_text: String = chars[cut..].iter().collect();
-    let train = dataset(&tok, &train_text, cfg.block_size)?;
-    let eval = dataset(&tok, &eval_text, cfg.block_size)?;
+    (chars[..cut].iter().collect(), chars[cut..].iter().collect())
+}
 
+/// Windows of `block` token ids (stride `block / 2`) as one-tensor samples.
+fn id_windows(ids: &[u32], block: usize) -> Result<TensorDataset> {
+    anyhow::ensure!(
+        ids.len() > block,
+        "{} tokens are too few for windows of {block}",
+        ids.len()
+    );
+    let starts: Vec<usize> = (0..=ids.len() - block).step_by(block / 2).collect();
+    let rows: Vec<u32> = starts
+        .iter()
+        .flat_map(|&s| ids[s..s + block].to_vec())
+        .collect();
+    let x = Tensor::from_vec(rows, (starts.len(), block), &Device::Cpu)?;
+    Ok(TensorDataset::new(vec![x])?)
+}
+
+/// Equal-length id sequences as one-tensor samples.
+fn rows(seqs: &[Vec<u32>]) -> Result<TensorDataset> {
+    let len = seqs[0].len();
+    let x = Tensor::from_vec(seqs.concat(), (seqs.len(), len), &Device::Cpu)?;
+    Ok(TensorDataset::new(vec![x])?)
+}
+
+fn training_arguments(cli: &Args) -> TrainingArguments {
     let mut args = TrainingArguments::new(&cli.output_dir)
         .with_max_steps(cli.max_steps)
         .with_batch_size(cli.batch_size)
@@ -160,14 +187,19 @@ fn main() -> Result<()> {
     if cli.resume {
         args.resume_from_checkpoint = Some("latest".into());
     }
-
     args.fsdp = cli.fsdp.clone();
-    args.fsdp_config.transformer_layer_cls_to_wrap = vec!["h.*".into()];
-    let mut trainer = Trainer::new(args, |vb| Ok(CharLm(Gpt::new(cfg, vb)?)), train, Some(eval))?
-        .with_compute_metrics(accuracy);
+    args
+}
+
+/// Trains, evaluates and saves, then prints the result (main process).
+fn finish<M: TrainModel<Batch = Vec<Tensor>>>(
+    mut trainer: Trainer<M, TensorDataset>,
+    cli: &Args,
+    what: &str,
+) -> Result<()> {
     let params = trainer.parameters().num_parameters();
     trainer.accelerator().print(format!(
-        "GPT of {params} parameters, {} steps ({} an epoch) on {} process(es)",
+        "{what}: {params} parameters, {} steps ({} an epoch) on {} process(es)",
         trainer.num_training_steps(),
         trainer.steps_per_epoch(),
         trainer.accelerator().num_processes(),
@@ -184,4 +216,82 @@ fn main() -> Result<()> {
     });
     trainer.accelerator().print(result);
     Ok(())
+}
+
+/// `--model DIR`: the folder's causal LM from its weights, on the corpus in
+/// its own tokens.
+fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
+    let cfg = ModelConfig::from_path(dir)?;
+    let (vocab, positions) = match &cfg {
+        ModelConfig::Llama(c) => (c.vocab_size, c.max_position_embeddings),
+        ModelConfig::Gpt2(c) => (c.vocab_size, c.n_positions),
+        ModelConfig::Bert(_) => anyhow::bail!(
+            "{}: model_type bert is an encoder without a language-model head; --model takes \
+             a causal language model (llama, mistral, qwen2, gpt2)",
+            dir.display()
+        ),
+    };
+    let (train, eval, source) = match &cli.data_ids {
+        Some(file) => {
+            let seqs = read_batch(file, vocab)?;
+            anyhow::ensure!(
+                seqs.len() >= 2,
+                "{}: need at least 2 sequences (one held out)",
+                file.display()
+            );
+            let held = (seqs.len() / 10).max(1);
+            let (train, eval) = seqs.split_at(seqs.len() - held);
+            (rows(train)?, rows(eval)?, file.display().to_string())
+        }
+        None => {
+            let tok = Tokenizer::for_model(dir, vocab).with_context(|| {
+                format!(
+                    "{}: no usable tokenizer.json; pass --data-ids FILE",
+                    dir.display()
+                )
+            })?;
+            let block = positions.min(if cli.tiny { 32 } else { 128 });
+            let (train_text, eval_text) = split_corpus();
+            let train = id_windows(&tok.encode(&train_text, false)?, block)?;
+            let eval = id_windows(&tok.encode(&eval_text, false)?, block)?;
+            (train, eval, tok.path().display().to_string())
+        }
+    };
+    let mut args = training_arguments(cli);
+    let probe = accel_core::models::AutoModel::empty(dir, DType::F32)?;
+    args.fsdp_config.transformer_layer_cls_to_wrap = vec![probe.layer_class().into()];
+    drop(probe);
+    let trainer = Trainer::new(args, |vb| HfLm::new(&cfg, vb), train, Some(eval))?
+        .with_compute_metrics(accuracy);
+    // Pretrained weights into the fp32 masters and compute copies (or the
+    // FSDP shards); a --resume then continues from its checkpoint instead.
+    trainer.parameters().load_checkpoint(dir)?;
+    finish(trainer, cli, &format!("{} on {source}", dir.display()))
+}
+
+fn main() -> Result<()> {
+    let cli = Args::parse();
+    if let Some(dir) = cli.model.clone() {
+        return finetune_hf(&cli, &dir);
+    }
+    let tok = CharTokenizer::new(CORPUS);
+    let cfg = if cli.tiny {
+        GptConfig {
+            vocab_size: tok.vocab_size(),
+            n_embd: 64,
+            n_layer: 2,
+            n_head: 2,
+            block_size: 32,
+        }
+    } else {
+        GptConfig::char_small(tok.vocab_size())
+    };
+    let (train_text, eval_text) = split_corpus();
+    let train = dataset(&tok, &train_text, cfg.block_size)?;
+    let eval = dataset(&tok, &eval_text, cfg.block_size)?;
+    let mut args = training_arguments(&cli);
+    args.fsdp_config.transformer_layer_cls_to_wrap = vec!["h.*".into()];
+    let trainer = Trainer::new(args, |vb| Ok(CharLm(Gpt::new(cfg, vb)?)), train, Some(eval))?
+        .with_compute_metrics(accuracy);
+    finish(trainer, &cli, "GPT")
 }

@@ -104,3 +104,66 @@ pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
         })
         .collect()
 }
+
+/// A Hugging Face causal LM as the Trainer's model: a batch is one tensor of
+/// token ids `[b, t]`, the loss is transformers' (labels = ids, shifted in
+/// the model), predictions are the next-token argmax at the `t - 1`
+/// positions that have a label. Its blocks are the model's, so the
+/// Trainer's FSDP shards them by class (`LlamaDecoderLayer`, `GPT2Block`).
+#[derive(Debug)]
+pub struct HfLm(pub accel_core::models::AutoModel);
+
+impl HfLm {
+    /// Builds the architecture of `cfg` on `vb` (the Trainer's build
+    /// closure); BERT is refused, having no language-model head.
+    ///
+    /// # Errors
+    /// BERT; a weight the source lacks or holds in another shape.
+    pub fn new(
+        cfg: &accel_core::models::ModelConfig,
+        vb: candle_nn::VarBuilder,
+    ) -> accel_core::Result<Self> {
+        if let accel_core::models::ModelConfig::Bert(_) = cfg {
+            return Err(accel_core::Error::Usage(
+                "model_type bert is an encoder without a language-model head; fine-tune a \
+                 causal language model (llama, mistral, qwen2, gpt2)"
+                    .into(),
+            ));
+        }
+        Ok(Self(AutoModel::new(cfg, vb)?))
+    }
+}
+
+impl accel_core::nn::Model for HfLm {
+    fn blocks(&self) -> Vec<&dyn accel_core::nn::AnyBlock> {
+        self.0.blocks()
+    }
+
+    fn tree(
+        &self,
+        dtype: Option<DType>,
+    ) -> accel_core::nn::Result<accel_core::bigmodel::ModuleTree> {
+        self.0.tree(dtype)
+    }
+}
+
+impl accel_core::TrainModel for HfLm {
+    type Batch = Vec<candle_core::Tensor>;
+
+    fn loss(&self, batch: &Self::Batch) -> accel_core::Result<candle_core::Tensor> {
+        Ok(self.0.loss(&batch[0], &batch[0])?)
+    }
+
+    fn predictions(
+        &self,
+        batch: &Self::Batch,
+    ) -> accel_core::Result<Option<accel_core::trainer::Predictions>> {
+        let ids = &batch[0];
+        let t = ids.dim(1)?;
+        let logits = self.0.forward(ids)?;
+        Ok(Some(accel_core::trainer::Predictions {
+            predictions: logits.narrow(1, 0, t - 1)?.argmax(candle_core::D::Minus1)?,
+            labels: ids.narrow(1, 1, t - 1)?,
+        }))
+    }
+}

@@ -299,3 +299,46 @@ fn bert_and_bad_data_files_are_refused_with_the_file_named() {
         assert!(err.contains(name) && err.contains(want), "{err}");
     }
 }
+
+/// An HF folder as the Trainer's model (`HfLm`): after `load_checkpoint`
+/// its evaluation loss on the reference ids is transformers', and a few
+/// steps of training lower it.
+#[test]
+fn the_trainer_fine_tunes_an_hf_folder_from_its_weights() {
+    use accel_core::data::TensorDataset;
+    use accel_core::models::ModelConfig;
+    use accel_core::trainer::{Trainer, TrainingArguments};
+    use accel_examples::hf::HfLm;
+    use candle_core::{Device, Tensor};
+
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["llama", "gpt2"] {
+        let dir = fixture(name);
+        let r = reference(name);
+        let rows: Vec<Vec<u32>> = serde_json::from_value(r["input_ids"].clone()).unwrap();
+        let ids =
+            Tensor::from_vec(rows.concat(), (rows.len(), rows[0].len()), &Device::Cpu).unwrap();
+        let data = || TensorDataset::new(vec![ids.clone()]).unwrap();
+        let mut args = TrainingArguments::new(tmp.path().join(name))
+            .with_max_steps(5)
+            .with_batch_size(2)
+            .with_learning_rate(1e-2);
+        args.use_cpu = true;
+        args.disable_tqdm = true;
+        args.report_to = vec![];
+        args.weight_decay = 0.0;
+        let cfg = ModelConfig::from_path(&dir).unwrap();
+        let mut trainer =
+            Trainer::new(args, |vb| HfLm::new(&cfg, vb), data(), Some(data())).unwrap();
+        trainer.parameters().load_checkpoint(&dir).unwrap();
+        let before = trainer.evaluate().unwrap()["eval_loss"];
+        let want = r["loss"].as_f64().unwrap();
+        assert!(
+            (before - want).abs() < 1e-4,
+            "{name}: {before} vs transformers' {want}"
+        );
+        trainer.train().unwrap();
+        let after = trainer.evaluate().unwrap()["eval_loss"];
+        assert!(after < before - 0.1, "{name}: {before} -> {after}");
+    }
+}
