@@ -104,7 +104,7 @@ pub fn read_batch(path: &Path, vocab_size: usize) -> Result<Vec<Vec<u32>>> {
 /// # Errors
 /// `n` not a multiple of `world` (Accelerate refuses the same).
 pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(usize, usize)> {
-    if n % world != 0 {
+    if !n.is_multiple_of(world) {
         bail!(
             "{}: {n} sequences cannot be split evenly between {world} processes \
              (split_batches needs the batch to be a multiple of the number of processes)",
@@ -128,6 +128,11 @@ fn decoder_vocab(cfg: &ModelConfig, dir: &Path) -> Result<usize> {
     }
 }
 
+/// The architecture of `cfg` on `vb`, its error boxed in accel-core's.
+fn build(cfg: &ModelConfig, vb: candle_nn::VarBuilder) -> accel_core::Result<AutoModel> {
+    Ok(AutoModel::new(cfg, vb)?)
+}
+
 /// Builds the model as the run trains (plain, DDP or FSDP) and returns it
 /// with its parameters and the `sharding` value of the setup line.
 fn prepare_model(
@@ -135,14 +140,14 @@ fn prepare_model(
     cfg: &ModelConfig,
 ) -> Result<(AutoModel, PreparedModel, Value)> {
     if acc.config().fsdp.is_some() {
-        let (model, fsdp) = acc.prepare_fsdp_model(|vb| AutoModel::new(cfg, vb))?;
+        let (model, fsdp) = acc.prepare_fsdp_model(|vb| build(cfg, vb))?;
         let sharding = json!({
             "strategy": fsdp.strategy().name(),
             "units": fsdp.unit_names().len(),
         });
         return Ok((model, fsdp.params().clone(), sharding));
     }
-    let (model, params) = acc.prepare(|vb| AutoModel::new(cfg, vb))?;
+    let (model, params) = acc.prepare(|vb| build(cfg, vb))?;
     Ok((model, params, Value::Null))
 }
 
@@ -155,9 +160,11 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     let vocab = decoder_vocab(&cfg, &args.model)?;
     let batch = read_batch(&args.data_ids, vocab)?;
 
-    let mut config = AcceleratorConfig::default();
-    // Unset: Accelerator::new takes the launcher's precision, then `no`.
-    config.mixed_precision = args.mixed_precision;
+    let config = AcceleratorConfig {
+        // Unset: Accelerator::new takes the launcher's precision, then `no`.
+        mixed_precision: args.mixed_precision,
+        ..Default::default()
+    };
     let mut acc = Accelerator::new(config)?;
     let (model, params, sharding) = prepare_model(&mut acc, &cfg)?;
     params
