@@ -28,8 +28,8 @@
 
 use std::time::Instant;
 
-use accel_core::optim::{transformers_no_decay, AdamW, AdamWConfig};
-use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
+use accel_core::optim::transformers_no_decay;
+use accel_core::prelude::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, PrecisionType};
 use accel_examples::mnist_like::synthetic_classification;
 use accel_examples::stock::{StockGpt, StockMlp};
 use accel_examples::text::synthetic_tokens;

@@ -18,6 +18,7 @@ mod init;
 pub mod model;
 pub mod optim;
 pub mod precision;
+pub mod prelude;
 pub mod rng;
 pub mod scheduler;
 pub mod state;
