@@ -356,7 +356,35 @@ impl Accelerator {
     /// Runs one micro-batch of gradient accumulation: decides whether this
     /// micro-batch syncs, then runs `f`. Inside, `optimizer.step()` and
     /// `zero_grad()` only act on the sync micro-batch.
+    ///
+    /// `f` returns accel-core's [`Result`], so a closure ending in `Ok(())`
+    /// needs no type annotation; [`Accelerator::try_accumulate`] takes a
+    /// closure with its own error type.
     pub fn accumulate<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        self.try_accumulate(f)
+    }
+
+    /// [`Accelerator::accumulate`] for a closure with its own error type
+    /// (`anyhow::Error`, a script's enum): any `E` that accel-core's errors
+    /// convert into, so `?` on the Accelerator's calls works inside and
+    /// nothing is mapped by hand. Name `E` where the closure alone does not
+    /// fix it, e.g. `Ok::<_, anyhow::Error>(())`.
+    ///
+    /// ```
+    /// use accel_core::{Accelerator, AcceleratorConfig};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut acc = Accelerator::new(AcceleratorConfig::default())?;
+    /// let loss = |step: usize| -> Result<f32, Box<dyn std::error::Error>> {
+    ///     Ok("0.5".parse::<f32>()? / (step + 1) as f32)
+    /// };
+    /// let l = acc.try_accumulate(|_acc| loss(0))?;
+    /// assert_eq!(l, 0.5);
+    /// # Ok(()) }
+    /// ```
+    pub fn try_accumulate<R, E: From<Error>>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
         self.grad_state.do_sync();
         f(self)
     }
