@@ -23,7 +23,7 @@ use crate::accumulation::GradientState;
 use crate::checkpoint::Checkpointable;
 use crate::data::{DataLoader, Dataset, LoaderPosition};
 use crate::fsdp::{FsdpModel, FullyShardedDataParallelPlugin};
-use crate::init::{MasterMap, SeededBackend};
+use crate::init::{FullVars, Keep, MasterMap, SeededBackend};
 use crate::model::PreparedModel;
 use crate::optim::{Optimizer, PreparedOptimizer};
 use crate::precision::{GradScaler, PrecisionType};
@@ -236,9 +236,11 @@ impl Accelerator {
     /// dtype, initialised from the seed and each parameter's name.
     pub fn var_builder(&self, varmap: &VarMap) -> VarBuilder<'static> {
         let backend = SeededBackend {
-            varmap: varmap.clone(),
-            masters: self.masters.clone(),
             seed: self.seed,
+            keep: Keep::Full(FullVars {
+                varmap: varmap.clone(),
+                masters: self.masters.clone(),
+            }),
         };
         VarBuilder::from_backend(
             Box::new(backend),

@@ -52,7 +52,6 @@
 //! ```
 
 mod blocks;
-mod init;
 mod model;
 mod plugin;
 pub(crate) mod sharding;
@@ -60,7 +59,6 @@ pub(crate) mod state_dict;
 mod unit_op;
 
 pub(crate) use blocks::{plan_units, shard_blocks};
-pub(crate) use init::ShardedInit;
 pub use model::FsdpModel;
 pub use plugin::{
     BackwardPrefetch, FullyShardedDataParallelPlugin, MixedPrecisionPolicy, StateDictType,
