@@ -32,6 +32,7 @@ pub mod cuda;
 pub mod cuda;
 mod error;
 mod fallback;
+mod hyperparams;
 mod multi_tensor;
 mod optim;
 mod slices;
@@ -42,7 +43,8 @@ pub use multi_tensor::{
     add_in_place, cast_into, cast_tensors, clamp_in_place, has_non_finite, max_abs, scale_in_place,
     sum_of_squares, unscale_and_check,
 };
-pub use optim::{adamw_step, sgd_step, AdamWParams, SgdParams};
+pub use hyperparams::{AdamWParams, SgdParams};
+pub use optim::{adamw_step, sgd_step};
 pub use slices::{with_slice, with_slice_mut};
 
 #[cfg(test)]

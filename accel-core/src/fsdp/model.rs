@@ -14,7 +14,6 @@ use accel_dist::Communicator;
 
 use super::plugin::FullyShardedDataParallelPlugin;
 use super::sharding::{lock, Sharding, Unit};
-use super::unit_op::UnitOp;
 use crate::model::PreparedModel;
 use crate::{Error, Result};
 
@@ -177,49 +176,6 @@ impl FsdpModel {
         forward(&self.unit_weights(0, &tensors)?, args)
     }
 
-    /// Runs wrapped unit `u` (one block) on `args`; `forward` builds the
-    /// block from the weights it is given and applies it.
-    ///
-    /// Under `FullShard`/`ShardGradOp` the parameters are gathered here and
-    /// the block's activations are not kept: the backward gathers (or, for
-    /// `ShardGradOp`, reuses) the parameters, runs `forward` again and
-    /// reduce-scatters the gradients at once.
-    pub(crate) fn forward_unit(
-        &self,
-        u: usize,
-        args: &Activations,
-        forward: &Arc<ForwardFn>,
-    ) -> accel_nn::Result<Tensor> {
-        if !self.sharding.uses_unit_op(u) {
-            let tensors = self.tracked_params(u).map_err(wrap)?;
-            return forward(&self.unit_weights(u, &tensors)?, args);
-        }
-        let full = self.unit_params(u).map_err(wrap)?;
-        let input = args.hidden.clone();
-        let args = args.detach();
-        let out = forward(&self.unit_weights(u, &full)?, &args)?;
-        if self.sharding.strategy == ShardingStrategy::ShardGradOp {
-            lock(&self.sharding.kept).insert(u, full);
-        } else {
-            drop(full);
-        }
-        // The op needs a tracked input to be reached by the backward.
-        let x = if input.track_op() || !input.dtype().is_float() {
-            input
-        } else {
-            Var::from_tensor(&input)?.as_tensor().clone()
-        };
-        let node = x.apply_op1(UnitOp {
-            model: self.clone(),
-            unit: u,
-            f: forward.clone(),
-            args,
-            out_shape: out.shape().clone(),
-            out_dtype: out.dtype(),
-        })?;
-        Ok((node + out)?)
-    }
-
     /// The unit's index for a wrapped block, `None` for a block of the root unit.
     pub(crate) fn unit_of_block(&self, block: &str) -> Option<usize> {
         self.unit_index.get(block).copied().filter(|&u| u != 0)
@@ -237,7 +193,7 @@ impl FsdpModel {
 
     /// Full parameters of unit `u` as variables of the current graph; their
     /// gradients are collected by [`FsdpModel::collect_gradients`].
-    fn tracked_params(&self, u: usize) -> Result<Vec<Tensor>> {
+    pub(super) fn tracked_params(&self, u: usize) -> Result<Vec<Tensor>> {
         // Once per forward: blocks sharing a unit (the root) or a block run
         // twice see the same tensors, so their gradients add up.
         if let Some(live) = lock(&self.sharding.live).get(&u) {
