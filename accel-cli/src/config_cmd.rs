@@ -285,7 +285,9 @@ impl Prompter<'_> {
                 None => match default {
                     Some(d) => d.to_string(),
                     None if eof => {
-                        accel_core::bail!("accel config: no answer to {question:?} (it has no default)")
+                        accel_core::bail!(
+                            "accel config: no answer to {question:?} (it has no default)"
+                        )
                     }
                     None => continue,
                 },

@@ -7,8 +7,8 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
-pub mod config_file;
 mod config_cmd;
+pub mod config_file;
 mod device_map_cmd;
 mod env_cmd;
 mod estimate_cmd;

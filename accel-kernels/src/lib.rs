@@ -39,11 +39,11 @@ mod slices;
 mod validate;
 
 pub use error::{Error, Result};
+pub use hyperparams::{AdamWParams, SgdParams};
 pub use multi_tensor::{
     add_in_place, cast_into, cast_tensors, clamp_in_place, has_non_finite, max_abs, scale_in_place,
     sum_of_squares, unscale_and_check,
 };
-pub use hyperparams::{AdamWParams, SgdParams};
 pub use optim::{adamw_step, sgd_step};
 pub use slices::{with_slice, with_slice_mut};
 

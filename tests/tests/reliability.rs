@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use accel_cli::LaunchArgs;
 use accel_cli::config_file::ClusterConfig;
+use accel_cli::LaunchArgs;
 use accel_core::dist::launch::{plan, run, LaunchConfig, RunOptions};
 use serde_json::Value;
 

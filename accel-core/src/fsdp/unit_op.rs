@@ -10,10 +10,10 @@
 
 use std::sync::Arc;
 
+use accel_dist::fsdp::ShardingStrategy;
 use accel_nn::block::{Activations, ForwardFn};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cpu_backend::CpuDevice;
-use accel_dist::fsdp::ShardingStrategy;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 
 use super::model::{grads_of, wrap, FsdpModel};
@@ -64,7 +64,6 @@ impl FsdpModel {
         })?;
         Ok((node + out)?)
     }
-
 }
 
 pub(crate) struct UnitOp {
