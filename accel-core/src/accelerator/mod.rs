@@ -22,9 +22,9 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::accumulation::GradientState;
 use crate::checkpoint::Checkpointable;
 use crate::data::{DataLoader, Dataset, LoaderPosition};
-use crate::fsdp::{FsdpModel, FullyShardedDataParallelPlugin};
+use crate::fsdp::FullyShardedDataParallelPlugin;
 use crate::init::{FullVars, Keep, MasterMap, SeededBackend};
-use crate::model::PreparedModel;
+use crate::model::{PreparedModel, Replicated, SingleProcess, SyncStrategy};
 use crate::optim::{Optimizer, PreparedOptimizer};
 use crate::precision::{GradScaler, PrecisionType};
 use crate::rng::SplitMix64;
@@ -65,9 +65,6 @@ pub struct Accelerator {
     /// Keeps the rendezvous store (hosted by rank 0) alive for the whole run.
     _group: ProcessGroup,
     comm: Arc<dyn Communicator>,
-    /// DDP gradient buckets of each prepared model, in `models` order;
-    /// `None` for sharded models, whose gradients are reduce-scattered instead.
-    buckets: Vec<Option<GradBuckets>>,
     config: AcceleratorConfig,
     grad_state: GradientState,
     scaler: Option<Arc<Mutex<GradScaler>>>,
@@ -75,7 +72,6 @@ pub struct Accelerator {
     rng: SplitMix64,
     masters: MasterMap,
     models: Vec<PreparedModel>,
-    fsdp_models: Vec<FsdpModel>,
     optimizers: Vec<PreparedOptimizer>,
     schedulers: Vec<PreparedScheduler>,
     loaders: Vec<Arc<Mutex<LoaderPosition>>>,
@@ -140,13 +136,11 @@ impl Accelerator {
             state,
             comm,
             _group: group,
-            buckets: vec![],
             scaler,
             seed,
             rng: SplitMix64::new(seed),
             masters: Default::default(),
             models: vec![],
-            fsdp_models: vec![],
             optimizers: vec![],
             schedulers: vec![],
             loaders: vec![],
@@ -276,7 +270,19 @@ impl Accelerator {
             masters.push(master);
         }
         drop(masters_drawn);
-        let model = PreparedModel::new(names, vars, masters);
+        // How the model is kept in step: DDP buckets at more than one rank.
+        let strategy: Arc<dyn SyncStrategy> = if self.num_processes() > 1 {
+            let numels: Vec<usize> = masters.iter().map(|v| v.elem_count()).collect();
+            let cap = (self.config.ddp.bucket_cap_mb * 1024.0 * 1024.0) as usize;
+            Arc::new(Replicated {
+                comm: self.comm.clone(),
+                buckets: GradBuckets::new(&numels, cap),
+                hook: self.config.ddp.comm_hook,
+            })
+        } else {
+            Arc::new(SingleProcess)
+        };
+        let model = PreparedModel::new(names, vars, masters, strategy);
         // Weights loaded into the VarMap after `var_builder` drew them win
         // over the drawn fp32 masters.
         model.adopt_outside_writes()?;
@@ -286,9 +292,6 @@ impl Accelerator {
             accel_dist::ddp::broadcast_parameters(self.comm(), &masters, 0)?;
             model.refresh_model_weights()?;
         }
-        let cap = (self.config.ddp.bucket_cap_mb * 1024.0 * 1024.0) as usize;
-        self.buckets
-            .push(Some(GradBuckets::new(&model.numels(), cap)));
         self.models.push(model.clone());
         Ok(model)
     }
@@ -423,21 +426,18 @@ impl Accelerator {
         for m in &self.models {
             m.accumulate(&grads)?;
         }
-        // Sharded models reduce every micro-batch: their wrapped units already
-        // did during the backward, the rest of their parameters do here.
-        for m in &self.fsdp_models {
-            m.collect_gradients(&grads)?;
+        // What each way of running does with the graph's gradients (sharded
+        // models reduce the parameters outside their wrapped units)...
+        for m in &self.models {
+            m.strategy().collect(m, &grads)?;
         }
         drop(grads);
-        // DDP averages at the end of an accumulation cycle only (no_sync
-        // before), or on every micro-batch with `sync_each_batch`: averaging
-        // the accumulated buffer again keeps the already averaged part.
+        // ...and with the buffers, once the graph is gone (DDP averages at
+        // the end of an accumulation cycle, or every micro-batch with
+        // `sync_each_batch`).
         let reduce_now = self.sync_gradients() || self.grad_state.plugin().sync_each_batch;
-        if self.num_processes() > 1 && reduce_now {
-            for (m, b) in self.models.iter().zip(&self.buckets) {
-                let Some(b) = b else { continue };
-                m.all_reduce_grads(self.comm(), b, self.config.ddp.comm_hook)?;
-            }
+        for m in &self.models {
+            m.strategy().reduce(m, reduce_now)?;
         }
         Ok(())
     }

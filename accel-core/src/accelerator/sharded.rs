@@ -133,9 +133,7 @@ impl Accelerator {
         )?;
         shard_blocks(&user_model, &model)?;
         let params = model.params().clone();
-        self.buckets.push(None);
         self.models.push(params);
-        self.fsdp_models.push(model.clone());
         Ok((user_model, model))
     }
 }

@@ -56,6 +56,7 @@ mod model;
 mod plugin;
 pub(crate) mod sharding;
 pub(crate) mod state_dict;
+mod sync;
 mod unit_op;
 
 pub(crate) use blocks::{plan_units, shard_blocks};

@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use accel_nn::block::{Activations, ForwardFn};
 use accel_nn::hooks::ModuleWeights;
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use accel_dist::fsdp::{ShardLayout, ShardingStrategy};
@@ -14,6 +13,7 @@ use accel_dist::Communicator;
 
 use super::plugin::FullyShardedDataParallelPlugin;
 use super::sharding::{lock, Sharding, Unit};
+use super::sync::Sharded;
 use crate::model::PreparedModel;
 use crate::{Error, Result};
 
@@ -96,7 +96,10 @@ impl FsdpModel {
             .map(|(_, _, t)| Var::from_tensor(t))
             .collect::<candle_core::Result<Vec<_>>>()?;
         drop(pieces);
-        let params = PreparedModel::new_sharded(names, vars, sharding.clone());
+        let strategy = Arc::new(Sharded {
+            sharding: sharding.clone(),
+        });
+        let params = PreparedModel::new(names, vars.clone(), vars, strategy);
         params.refresh_model_weights()?;
         Ok(Self {
             params,
@@ -192,7 +195,8 @@ impl FsdpModel {
     }
 
     /// Full parameters of unit `u` as variables of the current graph; their
-    /// gradients are collected by [`FsdpModel::collect_gradients`].
+    /// gradients are collected after the backward
+    /// (`Sharding::collect_gradients`).
     pub(super) fn tracked_params(&self, u: usize) -> Result<Vec<Tensor>> {
         // Once per forward: blocks sharing a unit (the root) or a block run
         // twice see the same tensors, so their gradients add up.
@@ -229,38 +233,11 @@ impl FsdpModel {
         Ok(ModuleWeights::new(unit.prefix.clone(), named)?)
     }
 
-    /// Reduces the gradients the backward left on the full parameters handed
-    /// out by `root` (and by unrecomputed units) into this rank's pieces.
-    pub(crate) fn collect_gradients(&self, store: &GradStore) -> Result<()> {
-        let live = std::mem::take(&mut *lock(&self.sharding.live));
-        for (u, tensors) in live {
-            self.deposit_unit_grads(u, grads_of(store, &tensors)?)?;
-        }
-        // Units whose backward never ran (a forward without loss) let go here.
-        lock(&self.sharding.kept).clear();
-        Ok(())
-    }
-
     /// Reduces `full`, the full gradients of unit `u` in layout order, across
     /// ranks and adds this rank's pieces to the accumulators.
     pub(crate) fn deposit_unit_grads(&self, u: usize, full: Vec<Tensor>) -> Result<()> {
-        let pieces = self.sharding.reduce(u, &full)?;
-        drop(full);
-        self.params
-            .accumulate_pieces(&self.sharding.units[u].ids, &pieces)
+        self.sharding.deposit(&self.params, u, full)
     }
-}
-
-/// The gradient `store` holds for each of `tensors`, zeros where it has none
-/// (a parameter the loss did not reach still takes part in the reduction).
-pub(crate) fn grads_of(store: &GradStore, tensors: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
-    tensors
-        .iter()
-        .map(|t| match store.get(t) {
-            Some(g) => Ok(g.clone()),
-            None => t.zeros_like(),
-        })
-        .collect()
 }
 
 /// Carries an accel-core error through candle ops (a unit's backward), typed.

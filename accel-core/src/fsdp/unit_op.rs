@@ -16,8 +16,8 @@ use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cpu_backend::CpuDevice;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 
-use super::model::{grads_of, wrap, FsdpModel};
-use super::sharding::lock;
+use super::model::{wrap, FsdpModel};
+use super::sharding::{grads_of, lock};
 
 // Lives here rather than in model.rs so that the node and the code that
 // builds it sit together and model.rs does not import this file back.
