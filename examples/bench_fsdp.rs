@@ -17,8 +17,7 @@ use std::time::Instant;
 
 use accel_core::dist::launch::{plan, run, LaunchConfig, RunOptions};
 use accel_core::fsdp::{AutoWrapPolicy, FullyShardedDataParallelPlugin};
-use accel_core::optim::{AdamW, AdamWConfig};
-use accel_core::{Accelerator, AcceleratorConfig};
+use accel_core::prelude::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig};
 use accel_examples::text::synthetic_tokens;
 use accel_examples::{Gpt, GptConfig};
 use anyhow::{Context, Result};

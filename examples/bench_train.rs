@@ -28,8 +28,8 @@
 
 use std::time::Instant;
 
-use accel_core::optim::{transformers_no_decay, AdamW, AdamWConfig};
-use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
+use accel_core::optim::transformers_no_decay;
+use accel_core::prelude::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, PrecisionType};
 use accel_examples::mnist_like::synthetic_classification;
 use accel_examples::stock::{StockGpt, StockMlp};
 use accel_examples::text::synthetic_tokens;
@@ -306,13 +306,13 @@ fn accelerator_loop(kind: Kind, precision: PrecisionType) -> Result<Loop> {
         AdamW::new(config).with_no_decay(transformers_no_decay),
     );
     Ok(timed(move |i| {
-        acc.accumulate(|acc| {
-            // `accumulate` wants accel-core's error; the loss closure gives anyhow's.
-            let loss = loss(i).map_err(|e| accel_core::Error::Usage(e.to_string()))?;
+        acc.try_accumulate(|acc| {
+            // The loss closure gives anyhow's error; accel-core's convert into it.
+            let loss = loss(i)?;
             acc.backward(&loss)?;
             opt.step()?;
             opt.zero_grad();
-            Ok(())
+            Ok::<_, anyhow::Error>(())
         })?;
         Ok(())
     }))

@@ -17,13 +17,11 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use accel_core::data::TensorDataset;
 use accel_core::models::{ModelConfig, Tokenizer};
-use accel_core::nn::{AnyBlock, Model};
+use accel_core::prelude::{AnyBlock, Model, PrecisionType, TensorDataset};
 use accel_core::trainer::{
     IntervalStrategy, Predictions, SchedulerType, TrainModel, Trainer, TrainingArguments,
 };
-use accel_core::PrecisionType;
 use accel_examples::finetune_hf::read_batch;
 use accel_examples::hf::HfLm;
 use accel_examples::text::{windows, CharTokenizer, CORPUS};

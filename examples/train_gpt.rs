@@ -9,10 +9,10 @@
 
 use std::path::PathBuf;
 
-use accel_core::data::{DataLoader, DataLoaderConfig, TensorDataset};
-use accel_core::optim::{AdamW, AdamWConfig};
-use accel_core::scheduler::{LrScheduler, Schedule};
-use accel_core::{Accelerator, AcceleratorConfig, PrecisionType, ProjectConfiguration};
+use accel_core::prelude::{
+    Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig, LrScheduler,
+    PrecisionType, ProjectConfiguration, Schedule, TensorDataset,
+};
 use accel_examples::text::{windows, CharTokenizer, CORPUS};
 use accel_examples::{Gpt, GptConfig};
 use anyhow::Result;

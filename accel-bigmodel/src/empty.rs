@@ -42,12 +42,22 @@ pub struct EmptyWeights {
     known: Option<Arc<HashSet<String>>>,
 }
 
-/// A tensor of `shape` backed by one zero element: what an empty model holds.
+/// A tensor of `shape` backed by one zero element: what an empty model holds,
+/// and what a model built for FSDP holds instead of its parameters. The one
+/// definition in the workspace, so [`crate::is_placeholder`] recognises every
+/// tensor any crate makes this way.
+///
+/// Returns candle's error so `VarBuilder` backends (which must) can use it as
+/// it is; `?` turns it into any crate's error.
 ///
 /// # Errors
-/// [`crate::Error::Candle`] when the device cannot allocate one element.
-pub fn placeholder(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
-    Ok(Tensor::zeros((), dtype, device)?.broadcast_as(shape)?)
+/// When the device cannot allocate one element.
+pub fn placeholder(
+    shape: impl Into<Shape>,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    Tensor::zeros((), dtype, device)?.broadcast_as(shape)
 }
 
 /// Starts an empty model: the recorder and a `VarBuilder` over it, whose
@@ -138,7 +148,7 @@ impl SimpleBackend for EmptyWeights {
         device: &Device,
     ) -> candle_core::Result<Tensor> {
         self.record(name, &shape, dtype)?;
-        Tensor::zeros((), dtype, device)?.broadcast_as(shape)
+        placeholder(shape, dtype, device)
     }
 
     fn get_unchecked(

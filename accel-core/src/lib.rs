@@ -11,7 +11,6 @@ pub use error::{Error, Result};
 mod accelerator;
 pub mod accumulation;
 pub mod checkpoint;
-pub mod cli;
 pub mod config;
 pub mod data;
 pub mod fsdp;
@@ -19,6 +18,7 @@ mod init;
 pub mod model;
 pub mod optim;
 pub mod precision;
+pub mod prelude;
 pub mod rng;
 pub mod scheduler;
 pub mod state;
@@ -27,9 +27,7 @@ pub mod trainer;
 
 pub use accelerator::{Accelerator, AcceleratorConfig, ProjectConfiguration};
 pub use accumulation::{GradientAccumulationPlugin, GradientState};
-pub use config::{
-    default_config_path, is_bf16_available, is_cuda_available, is_nccl_available, ClusterConfig,
-};
+pub use config::{is_bf16_available, is_cuda_available, is_nccl_available};
 pub use init::init_values;
 pub use model::PreparedModel;
 pub use precision::{GradScaler, GradScalerConfig, PrecisionType};

@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Storage, Tensor};
 
-use crate::optim::{AdamWScalars, SgdScalars};
+use crate::hyperparams::{AdamWScalars, SgdScalars};
 use crate::{Error, Result};
 
 fn off<T>() -> Result<T> {

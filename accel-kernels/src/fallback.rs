@@ -11,7 +11,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::optim::{AdamWScalars, SgdScalars};
+use crate::hyperparams::{AdamWScalars, SgdScalars};
 use crate::Result;
 
 /// A 0-d f32 tensor on `dev`, for broadcasting a scalar factor.

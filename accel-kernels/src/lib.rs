@@ -33,6 +33,7 @@ pub mod cuda;
 mod devices;
 mod error;
 mod fallback;
+mod hyperparams;
 mod multi_tensor;
 mod optim;
 mod slices;
@@ -40,11 +41,12 @@ mod validate;
 
 pub use devices::cuda_device;
 pub use error::{Error, Result};
+pub use hyperparams::{AdamWParams, SgdParams};
 pub use multi_tensor::{
     add_in_place, cast_into, cast_tensors, clamp_in_place, has_non_finite, max_abs, scale_in_place,
     sum_of_squares, unscale_and_check,
 };
-pub use optim::{adamw_step, sgd_step, AdamWParams, SgdParams};
+pub use optim::{adamw_step, sgd_step};
 pub use slices::{with_slice, with_slice_mut};
 
 #[cfg(test)]

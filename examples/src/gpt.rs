@@ -18,7 +18,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use accel_core::nn::block::{Activations, AnyBlock, Block, BlockForward, Model};
+use accel_core::prelude::{Activations, AnyBlock, Block, BlockForward, Model};
 use accel_core::rng::SplitMix64;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::{Init, VarBuilder};

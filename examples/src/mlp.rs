@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use accel_core::nn::block::{Activations, AnyBlock, Block, BlockForward, Model};
+use accel_core::prelude::{Activations, AnyBlock, Block, BlockForward, Model};
 use candle_core::{Result, Tensor};
 use candle_nn::VarBuilder;
 

@@ -263,13 +263,13 @@ fn fsdp_resume_on_the_same_world_size_is_bitwise_with_full_and_sharded_state_dic
             assert!(ckpt.join("optimizer_rank1.safetensors").is_file());
             // `accel merge-weights` gives the full weights bit for bit.
             let out = tmp.path().join("merged");
-            let args = accel_core::cli::MergeWeightsArgs {
+            let args = accel_cli::MergeWeightsArgs {
                 checkpoint_directory: ckpt.clone(),
                 output_path: out.clone(),
                 max_shard_size: "10GB".into(),
                 remove_checkpoint_dir: false,
             };
-            accel_core::cli::merge_weights(&args).unwrap();
+            accel_cli::merge_weights(&args).unwrap();
             let merged = accel_core::checkpoint::read_safetensors(
                 out.join("model.safetensors"),
                 &Device::Cpu,

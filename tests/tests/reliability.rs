@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use accel_core::cli::LaunchArgs;
-use accel_core::config::ClusterConfig;
+use accel_cli::config_file::ClusterConfig;
+use accel_cli::LaunchArgs;
 use accel_core::dist::launch::{plan, run, LaunchConfig, RunOptions};
 use serde_json::Value;
 
@@ -163,7 +163,7 @@ fn sync_each_batch_reduces_every_micro_batch_and_trains_the_same() {
 fn a_plain_model_under_an_fsdp_launch_is_refused_naming_the_key() {
     let tmp = tempfile::tempdir().unwrap();
     let mut config = LaunchConfig::local(2, WORKER);
-    config.extra_env = accel_core::config::FsdpFileConfig::default().launch_env();
+    config.extra_env = accel_cli::config_file::FsdpFileConfig::default().launch_env();
     let got = ranks(config, tmp.path(), &["--mode", "plain-model"]);
     for r in &got {
         assert_eq!(r["ok"], false, "{r}");

@@ -22,8 +22,7 @@ use accel_dist::CommunicatorExt;
 use super::Accelerator;
 use crate::checkpoint::{self, AtomicDir, StateDict};
 use crate::fsdp::state_dict as fsdp_state;
-use crate::fsdp::StateDictType;
-use crate::model::PreparedModel;
+use crate::model::{PreparedModel, SavedOptimizer as Saved};
 use crate::rng::SplitMix64;
 use crate::{Error, Result};
 
@@ -164,23 +163,12 @@ impl Accelerator {
     fn states_to_save(&self) -> Result<SavedStates> {
         let mut models = Vec::with_capacity(self.models.len());
         for m in &self.models {
-            models.push(match m.sharding() {
-                Some(s) if s.state_dict_type == StateDictType::ShardedStateDict => None,
-                _ => Some(StateDict::from_tensors(
-                    m.full_weights()?.into_iter().collect(),
-                )),
-            });
+            models.push(m.strategy().model_state(m)?);
         }
         let mut optimizers = Vec::with_capacity(self.optimizers.len());
         for o in &self.optimizers {
             let state = o.state_dict()?;
-            optimizers.push(match o.model().sharding() {
-                None => Saved::Shared(state),
-                Some(s) if s.state_dict_type == StateDictType::ShardedStateDict => {
-                    Saved::PerRank(state)
-                }
-                Some(s) => Saved::Shared(fsdp_state::full_optimizer_state(&s, state)?),
-            });
+            optimizers.push(o.model().strategy().optimizer_state(state)?);
         }
         Ok(SavedStates { models, optimizers })
     }
@@ -188,10 +176,8 @@ impl Accelerator {
     /// Files every rank writes: its RNG state and its sharded pieces.
     fn write_rank_state(&self, out: &Path, states: &SavedStates) -> Result<()> {
         self.write_random_state(out)?;
-        for (i, (m, saved)) in self.models.iter().zip(&states.models).enumerate() {
-            if let (Some(s), None) = (m.sharding(), saved) {
-                fsdp_state::write_sharded_model(m, &s, out, i)?;
-            }
+        for (i, m) in self.models.iter().enumerate() {
+            m.strategy().write_rank_files(m, out, i)?;
         }
         for (i, saved) in states.optimizers.iter().enumerate() {
             if let Saved::PerRank(state) = saved {
@@ -299,15 +285,14 @@ impl Accelerator {
             .optimizers
             .iter()
             .enumerate()
-            .map(|(i, o)| match o.model().sharding() {
-                None => load(&stem("optimizer", i)),
-                Some(s) => {
-                    if fsdp_state::check_sharded_world(&s, dir, i)? {
-                        load(&fsdp_state::rank_stem(&stem("optimizer", i), rank))
-                    } else {
-                        fsdp_state::optimizer_pieces(&s, load(&stem("optimizer", i))?)
-                    }
-                }
+            .map(|(i, o)| {
+                o.model().strategy().load_optimizer_state(
+                    dir,
+                    i,
+                    &stem("optimizer", i),
+                    rank,
+                    &load,
+                )
             })
             .collect::<Result<_>>()?;
         let sched: Vec<StateDict> = (0..self.schedulers.len())
@@ -358,10 +343,7 @@ impl Accelerator {
         // Models are validated as a whole by restore_vars before any weight changes.
         for (i, m) in self.models.iter().enumerate() {
             let path = dir.join(format!("{}.safetensors", stem("model", i)));
-            match m.sharding() {
-                Some(s) => fsdp_state::restore_sharded(m, &s, dir, i, &path)?,
-                None => restore_model(m, &path)?,
-            }
+            m.strategy().restore(m, dir, i, &path)?;
         }
         for (o, s) in self.optimizers.iter().zip(optim) {
             o.load_state_dict(s)
@@ -450,18 +432,6 @@ struct SavedStates {
     /// model each rank writes itself.
     models: Vec<Option<StateDict>>,
     optimizers: Vec<Saved>,
-}
-
-enum Saved {
-    /// The same on every rank: the main process writes it.
-    Shared(StateDict),
-    /// This rank's own part of a sharded optimizer state.
-    PerRank(StateDict),
-}
-
-fn restore_model(model: &PreparedModel, path: &Path) -> Result<()> {
-    checkpoint::restore_vars(path, &model.named_masters(), true)?;
-    model.refresh_model_weights()
 }
 
 /// Adds the checkpoint folder to an error raised while applying a state.

@@ -1,14 +1,16 @@
 //! The [`Accelerator`]: the one object a training script talks to.
 //!
 //! It is a thin facade: precision lives in `precision/`, accumulation in
-//! `accumulation.rs`, gradients in `model.rs`, optimizers in `optim/`,
-//! checkpoint files in `checkpoint/` and their layout in `checkpointing.rs`.
+//! `accumulation.rs`, gradients and how a model is kept in step across ranks
+//! in `model/`, optimizers in `optim/`, checkpoint files in `checkpoint/` and
+//! their layout in `checkpointing.rs`; the training step's verbs are in `step.rs`.
 
 mod checkpointing;
 mod config;
 mod ops;
 mod seeding;
 mod sharded;
+mod step;
 
 pub use config::{AcceleratorConfig, ProjectConfiguration};
 
@@ -22,9 +24,9 @@ use candle_nn::{VarBuilder, VarMap};
 use crate::accumulation::GradientState;
 use crate::checkpoint::Checkpointable;
 use crate::data::{DataLoader, Dataset, LoaderPosition};
-use crate::fsdp::{FsdpModel, FullyShardedDataParallelPlugin};
-use crate::init::{MasterMap, SeededBackend};
-use crate::model::PreparedModel;
+use crate::fsdp::FullyShardedDataParallelPlugin;
+use crate::init::{FullVars, Keep, MasterMap, SeededBackend};
+use crate::model::{PreparedModel, Replicated, SingleProcess, SyncStrategy};
 use crate::optim::{Optimizer, PreparedOptimizer};
 use crate::precision::{GradScaler, PrecisionType};
 use crate::rng::SplitMix64;
@@ -65,9 +67,6 @@ pub struct Accelerator {
     /// Keeps the rendezvous store (hosted by rank 0) alive for the whole run.
     _group: ProcessGroup,
     comm: Arc<dyn Communicator>,
-    /// DDP gradient buckets of each prepared model, in `models` order;
-    /// `None` for sharded models, whose gradients are reduce-scattered instead.
-    buckets: Vec<Option<GradBuckets>>,
     config: AcceleratorConfig,
     grad_state: GradientState,
     scaler: Option<Arc<Mutex<GradScaler>>>,
@@ -75,7 +74,6 @@ pub struct Accelerator {
     rng: SplitMix64,
     masters: MasterMap,
     models: Vec<PreparedModel>,
-    fsdp_models: Vec<FsdpModel>,
     optimizers: Vec<PreparedOptimizer>,
     schedulers: Vec<PreparedScheduler>,
     loaders: Vec<Arc<Mutex<LoaderPosition>>>,
@@ -140,13 +138,11 @@ impl Accelerator {
             state,
             comm,
             _group: group,
-            buckets: vec![],
             scaler,
             seed,
             rng: SplitMix64::new(seed),
             masters: Default::default(),
             models: vec![],
-            fsdp_models: vec![],
             optimizers: vec![],
             schedulers: vec![],
             loaders: vec![],
@@ -236,9 +232,11 @@ impl Accelerator {
     /// dtype, initialised from the seed and each parameter's name.
     pub fn var_builder(&self, varmap: &VarMap) -> VarBuilder<'static> {
         let backend = SeededBackend {
-            varmap: varmap.clone(),
-            masters: self.masters.clone(),
             seed: self.seed,
+            keep: Keep::Full(FullVars {
+                varmap: varmap.clone(),
+                masters: self.masters.clone(),
+            }),
         };
         VarBuilder::from_backend(
             Box::new(backend),
@@ -274,7 +272,19 @@ impl Accelerator {
             masters.push(master);
         }
         drop(masters_drawn);
-        let model = PreparedModel::new(names, vars, masters);
+        // How the model is kept in step: DDP buckets at more than one rank.
+        let strategy: Arc<dyn SyncStrategy> = if self.num_processes() > 1 {
+            let numels: Vec<usize> = masters.iter().map(|v| v.elem_count()).collect();
+            let cap = (self.config.ddp.bucket_cap_mb * 1024.0 * 1024.0) as usize;
+            Arc::new(Replicated {
+                comm: self.comm.clone(),
+                buckets: GradBuckets::new(&numels, cap),
+                hook: self.config.ddp.comm_hook,
+            })
+        } else {
+            Arc::new(SingleProcess)
+        };
+        let model = PreparedModel::new(names, vars, masters, strategy);
         // Weights loaded into the VarMap after `var_builder` drew them win
         // over the drawn fp32 masters.
         model.adopt_outside_writes()?;
@@ -284,9 +294,6 @@ impl Accelerator {
             accel_dist::ddp::broadcast_parameters(self.comm(), &masters, 0)?;
             model.refresh_model_weights()?;
         }
-        let cap = (self.config.ddp.bucket_cap_mb * 1024.0 * 1024.0) as usize;
-        self.buckets
-            .push(Some(GradBuckets::new(&model.numels(), cap)));
         self.models.push(model.clone());
         Ok(model)
     }
@@ -349,97 +356,6 @@ impl Accelerator {
         object: Arc<Mutex<T>>,
     ) {
         self.custom.push(object);
-    }
-
-    // === the training step ===
-
-    /// Runs one micro-batch of gradient accumulation: decides whether this
-    /// micro-batch syncs, then runs `f`. Inside, `optimizer.step()` and
-    /// `zero_grad()` only act on the sync micro-batch.
-    pub fn accumulate<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
-        self.grad_state.do_sync();
-        f(self)
-    }
-
-    /// True when the current micro-batch ends an accumulation cycle.
-    pub fn sync_gradients(&self) -> bool {
-        self.grad_state.sync_gradients()
-    }
-
-    /// Micro-batches per optimizer step.
-    pub fn gradient_accumulation_steps(&self) -> usize {
-        self.grad_state.num_steps()
-    }
-
-    /// The shared accumulation state.
-    pub fn gradient_state(&self) -> &GradientState {
-        &self.grad_state
-    }
-
-    /// Back-propagates `loss` and adds the gradients to every prepared model's
-    /// buffers; the loss is divided by the accumulation steps and, for fp16,
-    /// multiplied by the loss scale first.
-    pub fn backward(&mut self, loss: &Tensor) -> Result<()> {
-        let mut factor = 1.0 / self.gradient_accumulation_steps() as f64;
-        if let Some(s) = &self.scaler {
-            factor *= s.lock().unwrap_or_else(|e| e.into_inner()).scale();
-        }
-        let scaled = if factor == 1.0 {
-            loss.clone()
-        } else {
-            loss.affine(factor, 0.0)?
-        };
-        let grads = scaled.backward()?;
-        for m in &self.models {
-            m.accumulate(&grads)?;
-        }
-        // Sharded models reduce every micro-batch: their wrapped units already
-        // did during the backward, the rest of their parameters do here.
-        for m in &self.fsdp_models {
-            m.collect_gradients(&grads)?;
-        }
-        drop(grads);
-        // DDP averages at the end of an accumulation cycle only (no_sync
-        // before), or on every micro-batch with `sync_each_batch`: averaging
-        // the accumulated buffer again keeps the already averaged part.
-        let reduce_now = self.sync_gradients() || self.grad_state.plugin().sync_each_batch;
-        if self.num_processes() > 1 && reduce_now {
-            for (m, b) in self.models.iter().zip(&self.buckets) {
-                let Some(b) = b else { continue };
-                m.all_reduce_grads(self.comm(), b, self.config.ddp.comm_hook)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// The fp16 loss scale, when one is in use.
-    pub fn loss_scale(&self) -> Option<f64> {
-        self.scaler
-            .as_ref()
-            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).scale())
-    }
-
-    /// Divides `model`'s gradients by the loss scale now (done at most once a step);
-    /// returns whether any gradient is inf or NaN. Without fp16 it does nothing.
-    pub fn unscale_gradients(&self, model: &PreparedModel) -> Result<bool> {
-        match self.loss_scale() {
-            Some(scale) => model.unscale((1.0 / scale) as f32),
-            None => Ok(false),
-        }
-    }
-
-    /// Clips `model`'s gradients to a global L2 norm of `max_norm`
-    /// (`torch.nn.utils.clip_grad_norm_`), unscaling them first under fp16.
-    /// Returns the norm before clipping.
-    pub fn clip_grad_norm(&self, model: &PreparedModel, max_norm: f64) -> Result<f64> {
-        self.unscale_gradients(model)?;
-        model.clip_grad_norm(max_norm, 2.0)
-    }
-
-    /// Clamps `model`'s gradients into `[-clip_value, clip_value]`, unscaling first under fp16.
-    pub fn clip_grad_value(&self, model: &PreparedModel, clip_value: f64) -> Result<()> {
-        self.unscale_gradients(model)?;
-        model.clip_grad_value(clip_value)
     }
 
     // === trackers ===

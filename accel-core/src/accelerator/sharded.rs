@@ -11,7 +11,8 @@ use accel_dist::CommunicatorExt;
 use super::Accelerator;
 use accel_nn::Model;
 
-use crate::fsdp::{plan_units, shard_blocks, FsdpModel, ShardedInit};
+use crate::fsdp::{plan_units, shard_blocks, FsdpModel};
+use crate::init::{Keep, Pieces, SeededBackend};
 use crate::state::DistributedType;
 use crate::{Error, PreparedModel, Result};
 
@@ -100,12 +101,14 @@ impl Accelerator {
             self.comm().broadcast_object_list(&mut seed, 0)?;
         }
         let drawn = Arc::new(Mutex::new(vec![]));
-        let backend = ShardedInit {
+        let backend = SeededBackend {
             seed: seed[0],
-            world,
-            rank,
-            master_device: master_device.clone(),
-            drawn: drawn.clone(),
+            keep: Keep::Piece(Pieces {
+                world,
+                rank,
+                master_device: master_device.clone(),
+                drawn: drawn.clone(),
+            }),
         };
         let vb = VarBuilder::from_backend(
             Box::new(backend),
@@ -130,9 +133,7 @@ impl Accelerator {
         )?;
         shard_blocks(&user_model, &model)?;
         let params = model.params().clone();
-        self.buckets.push(None);
         self.models.push(params);
-        self.fsdp_models.push(model.clone());
         Ok((user_model, model))
     }
 }

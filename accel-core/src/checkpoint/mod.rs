@@ -6,15 +6,18 @@
 //!   scheduler, gradient scaler, data loader, RNG, custom objects) turns into:
 //!   named tensors plus a JSON value for everything that is not a tensor.
 //!   [`Checkpointable`] is the trait those objects implement.
-//! - [`safetensors_io`] reads and writes single safetensors and JSON files,
+//! - `safetensors_io` reads and writes single safetensors and JSON files,
 //!   atomically, with errors that name the file and tensor at fault, and
 //!   restores model weights into candle `Var`s all-or-nothing.
-//! - [`shards`] splits model weights into `model-0000i-of-0000N.safetensors`
+//! - `shards` splits model weights into `model-0000i-of-0000N.safetensors`
 //!   shards plus `model.safetensors.index.json`, byte-compatible with
 //!   Accelerate / `huggingface_hub`, and reads them back.
-//! - [`atomic`] makes a whole checkpoint folder appear at once
+//! - `atomic` makes a whole checkpoint folder appear at once
 //!   ([`AtomicDir`]) and manages `checkpoint_{n}` folders (listing, the total
 //!   limit, cleaning up after crashed saves).
+//!
+//! The three files are private: their items are re-exported here, so the
+//! files can be rearranged without breaking a user's imports.
 
 use std::collections::BTreeMap;
 
@@ -22,10 +25,10 @@ use candle_core::Tensor;
 
 use crate::Result;
 
-pub mod atomic;
+mod atomic;
 mod fs_util;
-pub mod safetensors_io;
-pub mod shards;
+mod safetensors_io;
+mod shards;
 mod st_format;
 
 pub use atomic::{

@@ -52,15 +52,14 @@
 //! ```
 
 mod blocks;
-mod init;
 mod model;
 mod plugin;
 pub(crate) mod sharding;
 pub(crate) mod state_dict;
+mod sync;
 mod unit_op;
 
 pub(crate) use blocks::{plan_units, shard_blocks};
-pub(crate) use init::ShardedInit;
 pub use model::FsdpModel;
 pub use plugin::{
     BackwardPrefetch, FullyShardedDataParallelPlugin, MixedPrecisionPolicy, StateDictType,

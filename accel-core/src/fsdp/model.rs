@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use accel_nn::block::{Activations, ForwardFn};
 use accel_nn::hooks::ModuleWeights;
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Shape, Tensor, Var};
 
 use accel_dist::fsdp::{ShardLayout, ShardingStrategy};
@@ -14,7 +13,7 @@ use accel_dist::Communicator;
 
 use super::plugin::FullyShardedDataParallelPlugin;
 use super::sharding::{lock, Sharding, Unit};
-use super::unit_op::UnitOp;
+use super::sync::Sharded;
 use crate::model::PreparedModel;
 use crate::{Error, Result};
 
@@ -97,7 +96,10 @@ impl FsdpModel {
             .map(|(_, _, t)| Var::from_tensor(t))
             .collect::<candle_core::Result<Vec<_>>>()?;
         drop(pieces);
-        let params = PreparedModel::new_sharded(names, vars, sharding.clone());
+        let strategy = Arc::new(Sharded {
+            sharding: sharding.clone(),
+        });
+        let params = PreparedModel::new(names, vars.clone(), vars, strategy);
         params.refresh_model_weights()?;
         Ok(Self {
             params,
@@ -177,49 +179,6 @@ impl FsdpModel {
         forward(&self.unit_weights(0, &tensors)?, args)
     }
 
-    /// Runs wrapped unit `u` (one block) on `args`; `forward` builds the
-    /// block from the weights it is given and applies it.
-    ///
-    /// Under `FullShard`/`ShardGradOp` the parameters are gathered here and
-    /// the block's activations are not kept: the backward gathers (or, for
-    /// `ShardGradOp`, reuses) the parameters, runs `forward` again and
-    /// reduce-scatters the gradients at once.
-    pub(crate) fn forward_unit(
-        &self,
-        u: usize,
-        args: &Activations,
-        forward: &Arc<ForwardFn>,
-    ) -> accel_nn::Result<Tensor> {
-        if !self.sharding.uses_unit_op(u) {
-            let tensors = self.tracked_params(u).map_err(wrap)?;
-            return forward(&self.unit_weights(u, &tensors)?, args);
-        }
-        let full = self.unit_params(u).map_err(wrap)?;
-        let input = args.hidden.clone();
-        let args = args.detach();
-        let out = forward(&self.unit_weights(u, &full)?, &args)?;
-        if self.sharding.strategy == ShardingStrategy::ShardGradOp {
-            lock(&self.sharding.kept).insert(u, full);
-        } else {
-            drop(full);
-        }
-        // The op needs a tracked input to be reached by the backward.
-        let x = if input.track_op() || !input.dtype().is_float() {
-            input
-        } else {
-            Var::from_tensor(&input)?.as_tensor().clone()
-        };
-        let node = x.apply_op1(UnitOp {
-            model: self.clone(),
-            unit: u,
-            f: forward.clone(),
-            args,
-            out_shape: out.shape().clone(),
-            out_dtype: out.dtype(),
-        })?;
-        Ok((node + out)?)
-    }
-
     /// The unit's index for a wrapped block, `None` for a block of the root unit.
     pub(crate) fn unit_of_block(&self, block: &str) -> Option<usize> {
         self.unit_index.get(block).copied().filter(|&u| u != 0)
@@ -236,8 +195,9 @@ impl FsdpModel {
     }
 
     /// Full parameters of unit `u` as variables of the current graph; their
-    /// gradients are collected by [`FsdpModel::collect_gradients`].
-    fn tracked_params(&self, u: usize) -> Result<Vec<Tensor>> {
+    /// gradients are collected after the backward
+    /// (`Sharding::collect_gradients`).
+    pub(super) fn tracked_params(&self, u: usize) -> Result<Vec<Tensor>> {
         // Once per forward: blocks sharing a unit (the root) or a block run
         // twice see the same tensors, so their gradients add up.
         if let Some(live) = lock(&self.sharding.live).get(&u) {
@@ -273,38 +233,11 @@ impl FsdpModel {
         Ok(ModuleWeights::new(unit.prefix.clone(), named)?)
     }
 
-    /// Reduces the gradients the backward left on the full parameters handed
-    /// out by `root` (and by unrecomputed units) into this rank's pieces.
-    pub(crate) fn collect_gradients(&self, store: &GradStore) -> Result<()> {
-        let live = std::mem::take(&mut *lock(&self.sharding.live));
-        for (u, tensors) in live {
-            self.deposit_unit_grads(u, grads_of(store, &tensors)?)?;
-        }
-        // Units whose backward never ran (a forward without loss) let go here.
-        lock(&self.sharding.kept).clear();
-        Ok(())
-    }
-
     /// Reduces `full`, the full gradients of unit `u` in layout order, across
     /// ranks and adds this rank's pieces to the accumulators.
     pub(crate) fn deposit_unit_grads(&self, u: usize, full: Vec<Tensor>) -> Result<()> {
-        let pieces = self.sharding.reduce(u, &full)?;
-        drop(full);
-        self.params
-            .accumulate_pieces(&self.sharding.units[u].ids, &pieces)
+        self.sharding.deposit(&self.params, u, full)
     }
-}
-
-/// The gradient `store` holds for each of `tensors`, zeros where it has none
-/// (a parameter the loss did not reach still takes part in the reduction).
-pub(crate) fn grads_of(store: &GradStore, tensors: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
-    tensors
-        .iter()
-        .map(|t| match store.get(t) {
-            Some(g) => Ok(g.clone()),
-            None => t.zeros_like(),
-        })
-        .collect()
 }
 
 /// Carries an accel-core error through candle ops (a unit's backward), typed.

@@ -5,12 +5,14 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use accel_dist::fsdp::{ShardLayout, ShardingStrategy};
 use accel_dist::{Communicator, ReduceOp};
 
 use super::plugin::{FullyShardedDataParallelPlugin, StateDictType};
+use crate::model::PreparedModel;
 use crate::{Error, Result};
 
 /// One separately gathered group of parameters.
@@ -271,4 +273,38 @@ impl Sharding {
         self.comm.all_reduce((&mut v[..]).into(), op)?;
         Ok(v[0])
     }
+}
+
+impl Sharding {
+    /// Reduces `full`, the full gradients of unit `u` in layout order, across
+    /// ranks and adds this rank's pieces to `model`'s accumulators.
+    pub(crate) fn deposit(&self, model: &PreparedModel, u: usize, full: Vec<Tensor>) -> Result<()> {
+        let pieces = self.reduce(u, &full)?;
+        drop(full);
+        model.accumulate_pieces(&self.units[u].ids, &pieces)
+    }
+
+    /// Reduces the gradients the backward left on the full parameters handed
+    /// out for the root (and for unrecomputed units) into `model`'s pieces.
+    pub(crate) fn collect_gradients(&self, model: &PreparedModel, store: &GradStore) -> Result<()> {
+        let live = std::mem::take(&mut *lock(&self.live));
+        for (u, tensors) in live {
+            self.deposit(model, u, grads_of(store, &tensors)?)?;
+        }
+        // Units whose backward never ran (a forward without loss) let go here.
+        lock(&self.kept).clear();
+        Ok(())
+    }
+}
+
+/// The gradient `store` holds for each of `tensors`, zeros where it has none
+/// (a parameter the loss did not reach still takes part in the reduction).
+pub(crate) fn grads_of(store: &GradStore, tensors: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+    tensors
+        .iter()
+        .map(|t| match store.get(t) {
+            Some(g) => Ok(g.clone()),
+            None => t.zeros_like(),
+        })
+        .collect()
 }

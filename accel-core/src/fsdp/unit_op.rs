@@ -10,13 +10,61 @@
 
 use std::sync::Arc;
 
+use accel_dist::fsdp::ShardingStrategy;
 use accel_nn::block::{Activations, ForwardFn};
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cpu_backend::CpuDevice;
 use candle_core::{CpuStorage, CudaStorage, CustomOp1, DType, Layout, Shape, Tensor, Var};
 
-use super::model::{grads_of, wrap, FsdpModel};
-use super::sharding::lock;
+use super::model::{wrap, FsdpModel};
+use super::sharding::{grads_of, lock};
+
+// Lives here rather than in model.rs so that the node and the code that
+// builds it sit together and model.rs does not import this file back.
+impl FsdpModel {
+    /// Runs wrapped unit `u` (one block) on `args`; `forward` builds the
+    /// block from the weights it is given and applies it.
+    ///
+    /// Under `FullShard`/`ShardGradOp` the parameters are gathered here and
+    /// the block's activations are not kept: the backward gathers (or, for
+    /// `ShardGradOp`, reuses) the parameters, runs `forward` again and
+    /// reduce-scatters the gradients at once.
+    pub(crate) fn forward_unit(
+        &self,
+        u: usize,
+        args: &Activations,
+        forward: &Arc<ForwardFn>,
+    ) -> accel_nn::Result<Tensor> {
+        if !self.sharding().uses_unit_op(u) {
+            let tensors = self.tracked_params(u).map_err(wrap)?;
+            return forward(&self.unit_weights(u, &tensors)?, args);
+        }
+        let full = self.unit_params(u).map_err(wrap)?;
+        let input = args.hidden.clone();
+        let args = args.detach();
+        let out = forward(&self.unit_weights(u, &full)?, &args)?;
+        if self.sharding().strategy == ShardingStrategy::ShardGradOp {
+            lock(&self.sharding().kept).insert(u, full);
+        } else {
+            drop(full);
+        }
+        // The op needs a tracked input to be reached by the backward.
+        let x = if input.track_op() || !input.dtype().is_float() {
+            input
+        } else {
+            Var::from_tensor(&input)?.as_tensor().clone()
+        };
+        let node = x.apply_op1(UnitOp {
+            model: self.clone(),
+            unit: u,
+            f: forward.clone(),
+            args,
+            out_shape: out.shape().clone(),
+            out_dtype: out.dtype(),
+        })?;
+        Ok((node + out)?)
+    }
+}
 
 pub(crate) struct UnitOp {
     pub model: FsdpModel,

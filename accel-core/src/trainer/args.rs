@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use accel_dist::ddp::{CommHook, DdpConfig};
 
-use super::options::{FsdpConfig, TrainerAcceleratorConfig};
+use super::options::{config_error as config, FsdpConfig, TrainerAcceleratorConfig};
 use crate::accelerator::{AcceleratorConfig, ProjectConfiguration};
 use crate::precision::PrecisionType;
 use crate::scheduler::Schedule;
@@ -408,13 +408,6 @@ impl TrainingArguments {
             config = config.with_device(candle_core::Device::Cpu);
         }
         Ok(config)
-    }
-}
-
-pub(super) fn config(key: &str, reason: &str) -> Error {
-    Error::Config {
-        key: key.into(),
-        reason: reason.into(),
     }
 }
 

@@ -3,12 +3,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::args::config as config_error;
 use crate::accelerator::AcceleratorConfig;
 use crate::fsdp::{
     AutoWrapPolicy, FullyShardedDataParallelPlugin, ShardingStrategy, StateDictType,
 };
-use crate::Result;
+use crate::{Error, Result};
 
 /// transformers' `fsdp_config` (the keys that apply to candle models).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -177,6 +176,15 @@ pub fn fsdp_plugin(
         };
     }
     Ok(Some(plugin))
+}
+
+/// An [`Error::Config`] for `key`. Here rather than in args.rs, which
+/// imports this file, so the two files do not import each other.
+pub(super) fn config_error(key: &str, reason: &str) -> Error {
+    Error::Config {
+        key: key.into(),
+        reason: reason.into(),
+    }
 }
 
 #[cfg(test)]

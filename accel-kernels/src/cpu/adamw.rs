@@ -6,7 +6,7 @@
 //! the result is reproducible bit for bit against a plain scalar loop.
 
 use super::{map_bundles, read_float_as_f32, Plan};
-use crate::optim::{AdamWScalars, SgdScalars};
+use crate::hyperparams::{AdamWScalars, SgdScalars};
 use crate::slices::FloatSlice;
 
 /// The operands of AdamW for one run of elements: param, exp_avg,

@@ -8,7 +8,7 @@ use candle_core::{DType, Tensor};
 use super::launch::{launch, AdamWArgs, Args, SgdArgs};
 use super::operands::{by_dtype, chunk_table, elem_sizes, with_device_ptrs, Column, TABLE_WORDS};
 use super::{KernelId, WrapDriver};
-use crate::optim::{AdamWScalars, SgdScalars};
+use crate::hyperparams::{AdamWScalars, SgdScalars};
 use crate::{fallback, Result};
 
 /// Element counts of a list.

@@ -227,7 +227,7 @@ fn adamw_fallback_matches_fused_path_on_cpu() {
     for step in 1..=3 {
         let g = grads(step, DType::F16);
         adamw_step(&pa, &g, &ma, &va, step, &hp).unwrap();
-        let s = crate::optim::AdamWScalars::new(&hp, step);
+        let s = crate::hyperparams::AdamWScalars::new(&hp, step);
         fallback::adamw(&pb, &g, &mb, &vb, &s).unwrap();
     }
     for (a, b) in pa
@@ -347,7 +347,7 @@ fn sgd_matches_reference_and_fallback_bitwise() {
             let g = grads(step, DType::BF16);
             sgd_step(&p, &g, Some(&b), step, hp).unwrap();
             on_pool(|| sgd_step_with(&p2, &g, Some(&b2), step, hp, TINY_PARALLEL)).unwrap();
-            let s = crate::optim::SgdScalars::new(hp, step);
+            let s = crate::hyperparams::SgdScalars::new(hp, step);
             fallback::sgd(&pf, &g, (hp.momentum != 0.0).then_some(&bf[..]), &s).unwrap();
             for i in 0..p.len() {
                 ref_sgd(&mut rp[i], &mut rb[i], &vals(&g[i]), step, hp);

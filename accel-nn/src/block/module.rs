@@ -8,7 +8,7 @@ use candle_nn::{Module, VarBuilder, VarMap};
 
 use accel_bigmodel::{init_empty_weights, placeholder, ModuleWeights};
 
-use super::record::record_and_fetch;
+use super::record::{child, record_and_fetch};
 use super::Activations;
 use crate::hooks::ModelHook;
 use crate::{Error, Result};
@@ -76,16 +76,6 @@ impl<B> std::fmt::Debug for Block<B> {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// `vb` at the full module name `name`.
-pub(super) fn child<'a>(vb: &VarBuilder<'a>, name: &str) -> VarBuilder<'a> {
-    let vb = vb.root();
-    if name.is_empty() {
-        vb
-    } else {
-        vb.pp(name)
-    }
 }
 
 impl<B: BlockForward> Block<B> {

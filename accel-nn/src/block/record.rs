@@ -7,7 +7,6 @@ use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
-use super::module::child;
 use crate::Result;
 
 #[derive(Clone)]
@@ -93,4 +92,15 @@ pub(super) fn record_and_fetch<B>(
             Ok((r.name, t))
         })
         .collect()
+}
+
+/// `vb` at the full module name `name`. Here, not in module.rs, because
+/// module.rs imports this file and the two should not import each other.
+pub(super) fn child<'a>(vb: &VarBuilder<'a>, name: &str) -> VarBuilder<'a> {
+    let vb = vb.root();
+    if name.is_empty() {
+        vb
+    } else {
+        vb.pp(name)
+    }
 }

@@ -173,18 +173,18 @@ mod tests {
         assert!(back.contains("fsdp_ignored_modules: null"), "{back}");
     }
 
-    fn plugin_of(yaml: &str) -> crate::fsdp::FullyShardedDataParallelPlugin {
+    fn plugin_of(yaml: &str) -> accel_core::fsdp::FullyShardedDataParallelPlugin {
         let c: FsdpFileConfig = serde_yaml_ng::from_str(yaml).unwrap();
         let env = c.launch_env();
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
-        crate::fsdp::FullyShardedDataParallelPlugin::from_vars(&get)
+        accel_core::fsdp::FullyShardedDataParallelPlugin::from_vars(&get)
             .unwrap()
             .unwrap()
     }
 
     #[test]
     fn every_exported_fsdp_key_reaches_the_plugin() {
-        use accel_dist::fsdp::ShardingStrategy::*;
+        use accel_core::dist::fsdp::ShardingStrategy::*;
         // Accelerate 1.6+ writes the FSDP1 strategy under fsdp_reshard_after_forward.
         let p = plugin_of("fsdp_version: 1\nfsdp_reshard_after_forward: SHARD_GRAD_OP\n");
         assert_eq!(p.sharding_strategy, ShardGradOp);
@@ -202,7 +202,7 @@ mod tests {
         );
         assert_eq!(
             p.backward_prefetch,
-            crate::fsdp::BackwardPrefetch::BackwardPre
+            accel_core::fsdp::BackwardPrefetch::BackwardPre
         );
         assert!(p.forward_prefetch && !p.use_orig_params && !p.sync_module_states);
         let d = plugin_of("{}");

@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use serde_yaml_ng::{Mapping, Value};
 
+use accel_core::{DistributedType, Error, PrecisionType, Result};
+
 use super::fsdp::FsdpFileConfig;
-use crate::state::DistributedType;
-use crate::{Error, PrecisionType, Result};
 
 /// `$HF_HOME/accelerate/default_config.yaml`, where `HF_HOME` defaults to
 /// `$XDG_CACHE_HOME/huggingface`, then `~/.cache/huggingface`, as in
@@ -393,7 +393,7 @@ pub fn write_basic_config(mixed_precision: &str, path: &Path) -> Result<Option<C
         return Ok(None);
     }
     let precision: PrecisionType = mixed_precision.parse()?;
-    let gpus = super::env::cuda_device_count();
+    let gpus = accel_core::config::cuda_device_count();
     let config = ClusterConfig {
         mixed_precision: Some(precision.to_string()),
         use_cpu: gpus == 0,

@@ -2,13 +2,13 @@
 
 use std::path::PathBuf;
 
-use accel_bigmodel::{
+use accel_core::bigmodel::{
     compute_module_sizes, get_max_layer_size, infer_auto_device_map, DTypeName, MemorySize,
     ModuleTree, Placement, PlanOptions, SpecialDtypes,
 };
 use serde_json::json;
 
-use crate::{Error, Result};
+use accel_core::{Error, Result};
 
 /// Flags of `accel device-map`.
 #[derive(Debug, Clone, clap::Args)]

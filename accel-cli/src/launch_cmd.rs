@@ -4,11 +4,11 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use accel_dist::launch::{self, LaunchConfig, RunOptions};
+use accel_core::config::ENV_MIXED_PRECISION;
+use accel_core::dist::launch::{self, LaunchConfig, RunOptions};
+use accel_core::{DistributedType, Error, PrecisionType, Result};
 
-use crate::config::{ClusterConfig, ENV_MIXED_PRECISION};
-use crate::state::DistributedType;
-use crate::{Error, PrecisionType, Result};
+use crate::config_file::ClusterConfig;
 
 /// Flags of `accel launch` (Accelerate's names, which use underscores; the
 /// dashed spellings are accepted too).
@@ -109,7 +109,7 @@ impl LaunchArgs {
             .or(file.and_then(|f| f.main_process_port));
         c.cpu = self.cpu || file.is_some_and(|f| f.use_cpu);
         c.timeout = self.timeout.map(Duration::from_secs_f64);
-        c.job_token = std::env::var(accel_dist::process::ENV_JOB_TOKEN).ok();
+        c.job_token = std::env::var(accel_core::dist::process::ENV_JOB_TOKEN).ok();
 
         let precision: PrecisionType = match (&self.mixed_precision, file) {
             (Some(p), _) => p.parse()?,
@@ -137,7 +137,7 @@ impl LaunchArgs {
         }
         if self.enable_cpu_affinity || file.is_some_and(|f| f.enable_cpu_affinity) {
             c.extra_env.push((
-                accel_dist::affinity::ENV_CPU_AFFINITY.to_string(),
+                accel_core::dist::affinity::ENV_CPU_AFFINITY.to_string(),
                 "1".to_string(),
             ));
         }
@@ -271,10 +271,10 @@ mod tests {
         assert_eq!(env(&c, "FSDP_SHARDING_STRATEGY"), None);
         assert_eq!(env(&c, "FSDP_RESHARD_AFTER_FORWARD"), Some("true"));
         let lookup = |k: &str| env(&c, k).map(str::to_string);
-        let plugin = crate::fsdp::FullyShardedDataParallelPlugin::from_vars(&lookup)?;
+        let plugin = accel_core::fsdp::FullyShardedDataParallelPlugin::from_vars(&lookup)?;
         assert_eq!(
             plugin.map(|p| p.sharding_strategy),
-            Some(accel_dist::fsdp::ShardingStrategy::FullShard)
+            Some(accel_core::dist::fsdp::ShardingStrategy::FullShard)
         );
         Ok(())
     }

@@ -4,9 +4,10 @@
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
-use crate::config::FsdpFileConfig;
-use crate::config::{cuda_device_count, default_config_path, write_basic_config, ClusterConfig};
-use crate::{Error, Result};
+use accel_core::config::cuda_device_count;
+use accel_core::{Error, Result};
+
+use crate::config_file::{default_config_path, write_basic_config, ClusterConfig, FsdpFileConfig};
 
 /// Flags of `accel config`.
 #[derive(Debug, Clone, clap::Args)]
@@ -284,7 +285,9 @@ impl Prompter<'_> {
                 None => match default {
                     Some(d) => d.to_string(),
                     None if eof => {
-                        crate::bail!("accel config: no answer to {question:?} (it has no default)")
+                        accel_core::bail!(
+                            "accel config: no answer to {question:?} (it has no default)"
+                        )
                     }
                     None => continue,
                 },
@@ -293,7 +296,7 @@ impl Prompter<'_> {
                 return Ok(v);
             }
             if eof {
-                crate::bail!("accel config: the default of {question:?} is invalid");
+                accel_core::bail!("accel config: the default of {question:?} is invalid");
             }
             writeln!(self.output, "Invalid answer {text:?}, please try again.")
                 .map_err(|e| Error::io("writing", "<stdout>", e))?;

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use accel_core::config::{ClusterConfig, FsdpFileConfig};
+use accel_cli::config_file::{ClusterConfig, FsdpFileConfig};
 use accel_core::{AcceleratorConfig, PrecisionType, Result};
 
 fn fixture(name: &str) -> PathBuf {

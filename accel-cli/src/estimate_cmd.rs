@@ -3,11 +3,11 @@
 
 use std::path::PathBuf;
 
-use accel_bigmodel::{
+use accel_core::bigmodel::{
     compute_module_sizes, get_max_layer_size, DTypeName, ModuleTree, SpecialDtypes,
 };
 
-use crate::{Error, Result};
+use accel_core::{Error, Result};
 
 /// Flags of `accel estimate-memory`.
 #[derive(Debug, Clone, clap::Args)]

@@ -1,7 +1,14 @@
 //! The `accel` command line: argument structs (one per subcommand, 1:1 with
 //! the flags) and the pure functions each subcommand runs.
+//!
+//! A crate apart from accel-core (as ripgrep keeps its binary apart from its
+//! library crates), so a training program that depends on the library does
+//! not compile clap, anyhow or a YAML parser.
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
 mod config_cmd;
+pub mod config_file;
 mod device_map_cmd;
 mod env_cmd;
 mod estimate_cmd;

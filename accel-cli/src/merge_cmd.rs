@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use crate::checkpoint;
-use crate::fsdp::merge_sharded_weights;
-use crate::Result;
+use accel_core::checkpoint;
+use accel_core::fsdp::merge_sharded_weights;
+use accel_core::Result;
 
 /// Arguments of `accel merge-weights` (Accelerate's names).
 #[derive(Debug, Clone, Args)]
@@ -28,7 +28,7 @@ pub fn merge_weights(args: &MergeWeightsArgs) -> Result<Vec<PathBuf>> {
     let limit = checkpoint::parse_size(&args.max_shard_size)?;
     let tensors = merge_sharded_weights(&args.checkpoint_directory)?;
     std::fs::create_dir_all(&args.output_path)
-        .map_err(|e| crate::Error::io("creating", &args.output_path, e))?;
+        .map_err(|e| accel_core::Error::io("creating", &args.output_path, e))?;
     let written = checkpoint::save_model(&args.output_path, &tensors, limit)?;
     if args.remove_checkpoint_dir {
         remove_sharded(&args.checkpoint_directory)?;
@@ -42,5 +42,5 @@ fn remove_sharded(dir: &Path) -> Result<()> {
     } else {
         dir.join("model_fsdp_0")
     };
-    std::fs::remove_dir_all(&folder).map_err(|e| crate::Error::io("removing", &folder, e))
+    std::fs::remove_dir_all(&folder).map_err(|e| accel_core::Error::io("removing", &folder, e))
 }

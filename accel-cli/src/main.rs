@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use accel_core::cli::{
+use accel_cli::{
     config_command, device_map, env_report, estimate_memory, launch, merge_weights, Cli, Command,
 };
 use clap::Parser;

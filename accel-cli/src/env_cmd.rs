@@ -3,11 +3,12 @@
 
 use std::path::PathBuf;
 
-use crate::config::{
-    default_config_path, is_bf16_available, is_cuda_available, is_nccl_available, total_ram_bytes,
-    ClusterConfig, CANDLE_VERSION,
+use accel_core::config::{
+    is_bf16_available, is_cuda_available, is_nccl_available, total_ram_bytes, CANDLE_VERSION,
 };
-use crate::Result;
+use accel_core::Result;
+
+use crate::config_file::{default_config_path, ClusterConfig};
 
 /// Flags of `accel env`.
 #[derive(Debug, Clone, Default, clap::Args)]
