@@ -17,10 +17,9 @@
 //! `overhead_pct` compares `accelerator` with `accel_nn` (same model, same
 //! optimizer maths), so it measures only what the Accelerator adds. Rounds
 //! alternate between loops so machine noise hits each alike; the median
-//! round is reported. candle's CPU binary ops run on a spinning thread pool
-//! that competes with rayon's (gemm and the fused kernels) on small
-//! machines, so the bench sets `CANDLE_NUM_THREADS=1` for every row unless
-//! it is set (reported as `candle_num_threads`).
+//! round is reported. `CANDLE_NUM_THREADS` (candle's pool for its CPU binary
+//! ops) is reported as `candle_num_threads` when set: on an idle 2-core
+//! machine candle's default (2) measured faster than 1, under load slower.
 //!
 //! ```text
 //! cargo run --release --example bench_train -- --json
@@ -64,10 +63,6 @@ fn main() -> Result<()> {
         args.mixed_precision,
         env.as_deref(),
     )?);
-    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
-        // Before any candle op: the pool reads it once.
-        std::env::set_var("CANDLE_NUM_THREADS", "1");
-    }
     let mut out = serde_json::Map::new();
     // PyTorch runs once, between the two workloads' rounds, on the same machine.
     let mlp = args.only == "all" || args.only == "mlp";
