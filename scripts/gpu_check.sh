@@ -62,7 +62,7 @@ if [ "${gpus:-0}" -lt 2 ]; then
 fi
 run_step nccl-test 180 cargo test "${PKGS[@]}" --test nccl -- --include-ignored "${NCCL_SKIP[@]}" --nocapture --test-threads=1
 run_step unit-tests 240 cargo test "${PKGS[@]}" --lib -- --include-ignored
-run_step bigmodel-test 900 cargo test -p accel-bigmodel --features cuda --release --lib cpu_offload_with_hook -- --include-ignored
+run_step nn-hooks-test 900 cargo test -p accel-nn --features cuda --release --lib cpu_offload_with_hook -- --include-ignored
 run_step core-test 900 cargo test -p accel-core --features cuda --release --lib set_seed_makes_cuda_randn_repeat -- --include-ignored
 BENCH_JSON="$CARGO_TARGET_DIR/device_bench.json"
 run_step device-bench 180 bash -c "'$CARGO_TARGET_DIR/release/examples/device_bench' | tee '$BENCH_JSON'"
