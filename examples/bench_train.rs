@@ -54,10 +54,41 @@ struct Args {
     /// precedence). The compared rows are always fp32.
     #[arg(long)]
     mixed_precision: Option<PrecisionType>,
+    /// `cpu` (the figures in the README) or `cuda` (cuda:0, with a build
+    /// `--features cuda`; torch then runs on the same GPU). Every row runs
+    /// on this device.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+/// The device every row runs on (set once from `--device`).
+static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+
+fn device() -> &'static Device {
+    DEVICE.get_or_init(|| Device::Cpu)
+}
+
+/// Steps per timed round: a GPU step is much shorter, so rounds are longer.
+fn steps_per_round(kind: Kind) -> usize {
+    let cpu = match kind {
+        Kind::Mlp => 60,
+        Kind::Gpt => 3,
+    };
+    if device().is_cpu() {
+        cpu
+    } else {
+        cpu * 20
+    }
 }
 
 fn main() -> Result<()> {
     let mut args = Args::parse();
+    let dev = match args.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => accel_core::kernels::cuda_device(0)?,
+        other => anyhow::bail!("--device {other:?}: expected cpu or cuda"),
+    };
+    let _ = DEVICE.set(dev);
     let env = std::env::var(accel_core::config::ENV_MIXED_PRECISION).ok();
     args.mixed_precision = Some(accel_core::config::resolve_precision(
         args.mixed_precision,
@@ -131,17 +162,17 @@ fn batches<M: 'static>(
     model: M,
     loss: impl Fn(&M, &Tensor, &Tensor) -> candle_core::Result<Tensor> + 'static,
 ) -> Result<LossFn> {
-    let dev = Device::Cpu;
+    let dev = device();
     let (x, y, n) = match kind {
         Kind::Mlp => {
             let (x, y) = synthetic_classification(64 * 8, 784, 10, 7);
-            let x = Tensor::from_vec(x, (8, 64, 784), &dev)?.to_dtype(dtype)?;
-            (x, Tensor::from_vec(y, (8, 64), &dev)?, 8)
+            let x = Tensor::from_vec(x, (8, 64, 784), dev)?.to_dtype(dtype)?;
+            (x, Tensor::from_vec(y, (8, 64), dev)?, 8)
         }
         Kind::Gpt => {
             let cfg = GptConfig::bench();
             let toks = synthetic_tokens(4 * 8 * 129, cfg.vocab_size, 11);
-            let t = Tensor::from_vec(toks, (4, 8, 129), &dev)?;
+            let t = Tensor::from_vec(toks, (4, 8, 129), dev)?;
             let x = t.narrow(2, 0, 128)?.contiguous()?;
             (x, t.narrow(2, 1, 128)?.contiguous()?, 4)
         }
@@ -177,6 +208,8 @@ fn timed(mut step: impl FnMut(usize) -> Result<()> + 'static) -> Loop {
             step(i)?;
             i += 1;
         }
+        // GPU work is asynchronous: a round ends when the device is done.
+        device().synchronize()?;
         Ok(n as f64 / t.elapsed().as_secs_f64())
     })
 }
@@ -186,7 +219,7 @@ const WEIGHT_DECAY: f64 = 0.01;
 
 fn candle_nn_loop(kind: Kind) -> Result<Loop> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device());
     let loss = match kind {
         Kind::Mlp => batches(
             kind,
@@ -220,7 +253,7 @@ struct Group {
 
 fn accel_nn_loop(kind: Kind) -> Result<Loop> {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device());
     let loss = accel_nn_model(kind, vb, DType::F32)?;
     // transformers' grouping, as the Accelerator's AdamW below applies it.
     let mut named: Vec<(String, Var)> = varmap.data().lock().unwrap().clone().into_iter().collect();
@@ -278,7 +311,7 @@ fn accelerator_loop(kind: Kind, precision: PrecisionType) -> Result<Loop> {
         AcceleratorConfig::default()
             .with_seed(0)
             .with_mixed_precision(precision)
-            .with_device(Device::Cpu),
+            .with_device(device().clone()),
     )?;
     let dtype = acc.compute_dtype();
     let (loss, params) = match kind {
@@ -334,6 +367,8 @@ fn torch_rates(rounds: usize) -> Option<serde_json::Value> {
             &rounds.to_string(),
             "--threads",
             "2",
+            "--device",
+            if device().is_cpu() { "cpu" } else { "cuda" },
         ])
         .output()
         .ok()?;
@@ -350,10 +385,7 @@ fn rounded(x: f64) -> serde_json::Value {
 }
 
 fn bench(args: &Args, kind: Kind, torch: Option<f64>) -> Result<serde_json::Value> {
-    let steps = match kind {
-        Kind::Mlp => 60,
-        Kind::Gpt => 3,
-    };
+    let steps = steps_per_round(kind);
     let mut loops: Vec<(&str, Loop)> = vec![
         ("candle_nn", candle_nn_loop(kind)?),
         ("accel_nn", accel_nn_loop(kind)?),

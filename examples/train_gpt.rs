@@ -48,6 +48,11 @@ struct Args {
     /// Resume from the newest checkpoint in the run folder.
     #[arg(long)]
     resume: bool,
+    /// Train on the CPU even when a GPU is available (Accelerate's `cpu=True`;
+    /// `accel launch --cpu` sets it for every rank). Without it, a build with
+    /// `--features cuda` trains on `cuda:LOCAL_RANK` when CUDA is available.
+    #[arg(long)]
+    cpu: bool,
     /// Save a checkpoint every N optimizer steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     checkpoint_every: u64,
@@ -64,10 +69,12 @@ fn main() -> Result<()> {
         .with_gradient_accumulation_steps(args.gradient_accumulation_steps)
         .with_seed(args.seed)
         .with_project(project)
-        .with_device(Device::Cpu)
         .with_log_with(["jsonl", "tensorboard"]);
     // Unset: Accelerator::new takes the launcher's precision, then `no`.
     config.mixed_precision = args.mixed_precision;
+    if args.cpu {
+        config = config.with_device(Device::Cpu);
+    }
     let mut acc = Accelerator::new(config)?;
 
     let tok = CharTokenizer::new(CORPUS);

@@ -87,16 +87,18 @@ def adamw(model):
     return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, foreach=True)
 
 
-def workload(kind):
+def workload(kind, device):
+    """The model, a loss of step i, and steps per timed round (longer on a GPU)."""
     g = torch.Generator().manual_seed(0)
+    scale = 1 if device == "cpu" else 20
     if kind == "mlp":
-        model = Mlp()
-        xs = torch.randn(8, 64, 784, generator=g)
-        ys = torch.randint(0, 10, (8, 64), generator=g)
-        return model, lambda i: model.loss(xs[i % 8], ys[i % 8]), 60
-    model = Gpt()
-    toks = torch.randint(0, 4096, (4, 8, 129), generator=g)
-    return model, lambda i: model.loss(toks[i % 4, :, :128], toks[i % 4, :, 1:]), 3
+        model = Mlp().to(device)
+        xs = torch.randn(8, 64, 784, generator=g).to(device)
+        ys = torch.randint(0, 10, (8, 64), generator=g).to(device)
+        return model, lambda i: model.loss(xs[i % 8], ys[i % 8]), 60 * scale
+    model = Gpt().to(device)
+    toks = torch.randint(0, 4096, (4, 8, 129), generator=g).to(device)
+    return model, lambda i: model.loss(toks[i % 4, :, :128], toks[i % 4, :, 1:]), 3 * scale
 
 
 def rate(model, loss, opt, start, n):
@@ -105,6 +107,8 @@ def rate(model, loss, opt, start, n):
         opt.zero_grad(set_to_none=True)
         loss(i).backward()
         opt.step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return n / (time.perf_counter() - t)
 
 
@@ -114,14 +118,15 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     names = {"mlp": "mlp_784_512_512_10_b64", "gpt": "gpt_v4096_d256_l4_h4_t128_b8"}
     kinds = ["mlp", "gpt"] if args.workload == "all" else [args.workload]
-    out = {"torch_version": torch.__version__, "threads": args.threads}
+    out = {"torch_version": torch.__version__, "threads": args.threads, "device": args.device}
     for kind in kinds:
-        model, loss, steps = workload(kind)
+        model, loss, steps = workload(kind, args.device)
         opt = adamw(model)
         rate(model, loss, opt, 0, 2)
         rates = sorted(rate(model, loss, opt, 2 + r * steps, steps) for r in range(args.rounds))

@@ -1,6 +1,14 @@
-//! Collectives on candle CPU tensors, built on the buffer collectives.
+//! Collectives on candle tensors, built on the buffer collectives.
+//!
+//! Host-memory backends (TCP, shared memory) move host buffers, so a tensor
+//! on another device (CUDA) is staged through host memory: copied out,
+//! reduced on the host, copied back (in place for the `_inplace` forms,
+//! through candle's write lock, so the device orders the copy like any
+//! other write). That is what lets two processes share one GPU over TCP,
+//! as PyTorch's gloo does with CUDA tensors. NCCL overrides these for CUDA
+//! tensors and runs in device memory.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::{Communicator, Error, ReduceOp, Result};
 
@@ -43,15 +51,25 @@ macro_rules! with_dtype {
 
 /// The checks every tensor collective makes before touching storage.
 fn check(op: &'static str, t: &Tensor) -> Result<()> {
-    if !t.device().is_cpu() {
-        return Err(Error::RequiresCpu {
-            op,
-            device: format!("{:?}", t.device().location()),
-        });
-    }
     if !t.is_contiguous() {
         return Err(Error::RequiresContiguous { op });
     }
+    Ok(())
+}
+
+/// A host copy of a tensor of another device, for staging; `None` for a
+/// CPU tensor (used as it is).
+fn staged(t: &Tensor) -> Result<Option<Tensor>> {
+    Ok(match t.device() {
+        Device::Cpu => None,
+        _ => Some(t.to_device(&Device::Cpu)?),
+    })
+}
+
+/// Writes `host` (same shape and dtype) into `t`'s storage on its device.
+fn write_back(t: &Tensor, host: &Tensor) -> Result<()> {
+    let on_device = host.to_device(t.device())?.flatten_all()?;
+    t.flatten_all()?.slice_set(&on_device, 0, 0)?;
     Ok(())
 }
 
@@ -74,6 +92,9 @@ pub(crate) fn all_reduce<C: Communicator + ?Sized>(
 ) -> Result<Tensor> {
     const OP: &str = "all_reduce_tensor";
     check(OP, t)?;
+    if let Some(host) = staged(t)? {
+        return Ok(all_reduce(c, &host, op)?.to_device(t.device())?);
+    }
     with_dtype!(OP, t.dtype(), T => {
         let mut v = elements::<T>(OP, t)?;
         c.all_reduce((&mut v).into(), op)?;
@@ -88,6 +109,10 @@ pub(crate) fn all_reduce_inplace<C: Communicator + ?Sized>(
 ) -> Result<()> {
     const OP: &str = "all_reduce_tensor_inplace";
     check(OP, t)?;
+    if let Some(host) = staged(t)? {
+        all_reduce_inplace(c, &host, op)?;
+        return write_back(t, &host);
+    }
     with_dtype!(OP, t.dtype(), T => {
         accel_kernels::with_slice_mut::<T, _>(t, OP, |s| Ok(c.all_reduce(s.into(), op)))?
     })
@@ -100,6 +125,9 @@ pub(crate) fn broadcast<C: Communicator + ?Sized>(
 ) -> Result<Tensor> {
     const OP: &str = "broadcast_tensor";
     check(OP, t)?;
+    if let Some(host) = staged(t)? {
+        return Ok(broadcast(c, &host, root)?.to_device(t.device())?);
+    }
     with_dtype!(OP, t.dtype(), T => {
         let mut v = elements::<T>(OP, t)?;
         c.broadcast((&mut v).into(), root)?;
@@ -110,6 +138,9 @@ pub(crate) fn broadcast<C: Communicator + ?Sized>(
 pub(crate) fn all_gather<C: Communicator + ?Sized>(c: &C, t: &Tensor) -> Result<Tensor> {
     const OP: &str = "all_gather_tensor";
     check(OP, t)?;
+    if let Some(host) = staged(t)? {
+        return Ok(all_gather(c, &host)?.to_device(t.device())?);
+    }
     let n = c.world_size();
     let mut dims = t.dims().to_vec();
     match dims.first_mut() {
@@ -130,6 +161,9 @@ pub(crate) fn reduce_scatter<C: Communicator + ?Sized>(
 ) -> Result<Tensor> {
     const OP: &str = "reduce_scatter_tensor";
     check(OP, t)?;
+    if let Some(host) = staged(t)? {
+        return Ok(reduce_scatter(c, &host, op)?.to_device(t.device())?);
+    }
     let n = c.world_size();
     let mut dims = t.dims().to_vec();
     match dims.first_mut() {

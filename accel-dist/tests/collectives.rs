@@ -171,6 +171,34 @@ fn collectives_give_exact_results_at_world_two_and_three() {
     }
 }
 
+/// DDP gradient buckets and the parameter broadcast on fp32, bf16 and f16
+/// CPU tensors, with and without fp16/bf16 compression: the host path
+/// (fp32) and the device path (packed tensors, in place) give exact means.
+#[test]
+fn ddp_buckets_average_every_dtype_in_place() {
+    for world in [2, 3] {
+        let outputs = spawn(world, "ddp", 20.0, &[]).wait(Duration::from_secs(60));
+        for o in &outputs {
+            let json = o.json();
+            assert_eq!(json["ok"], true, "rank {}: {json}", o.rank);
+            assert_eq!(json["checks"], 60, "rank {}: {json}", o.rank);
+        }
+    }
+}
+
+/// The same on CUDA tensors of one GPU shared by two processes over TCP:
+/// the gradients are staged through host memory and written back in place.
+#[test]
+#[ignore = "needs a CUDA GPU and a build with --features accel-dist/cuda; run by scripts/gpu_check.sh"]
+fn ddp_buckets_on_one_gpu_shared_by_two_processes_over_tcp() {
+    let outputs = spawn(2, "ddp", 60.0, &[("ACCEL_TEST_CUDA", "1")]).wait(Duration::from_secs(120));
+    for o in &outputs {
+        let json = o.json();
+        assert_eq!(json["ok"], true, "rank {}: {json}", o.rank);
+        assert_eq!(json["checks"], 60, "rank {}: {json}", o.rank);
+    }
+}
+
 /// The same checks with shared memory switched off: the socket paths.
 #[test]
 fn the_socket_paths_give_the_same_results() {

@@ -17,7 +17,8 @@ fn gpu(test: &str, ordinal: usize) -> Device {
     if !cfg!(feature = "nccl") {
         panic!("{test}: needs the `nccl` feature (run scripts/gpu_check.sh)");
     }
-    Device::new_cuda(ordinal).unwrap_or_else(|e| panic!("{test}: needs CUDA device {ordinal}: {e}"))
+    accel_kernels::cuda_device(ordinal)
+        .unwrap_or_else(|e| panic!("{test}: needs CUDA device {ordinal}: {e}"))
 }
 
 fn config() -> NcclConfig {
@@ -140,7 +141,7 @@ fn two_ranks_on_two_gpus_reduce_and_gather() -> Result<()> {
     let addr = host.addr();
     let rank = move |r: usize, store: TcpStore| {
         std::thread::spawn(move || -> Result<(Vec<f32>, Vec<f32>)> {
-            let dev = Device::new_cuda(r)?;
+            let dev = accel_kernels::cuda_device(r)?;
             let comm = NcclCommunicator::connect(Some(&store), r, 2, &dev, config())?;
             let t = Tensor::new(&[r as f32 + 1.0, 10.0], &dev)?;
             comm.all_reduce_tensor_inplace(&t, ReduceOp::Sum)?;

@@ -158,7 +158,7 @@ fn bench_size(dev: &Device, n: usize, peak: f64, reps: usize) -> Result<Value> {
 }
 
 fn main() -> Result<()> {
-    let dev = Device::new_cuda(0).context("no CUDA device")?;
+    let dev = accel_kernels::cuda_device(0).context("no CUDA device")?;
     let cuda = dev.as_cuda_device()?;
     let ctx = cuda.cuda_stream().context().clone();
     let clock_khz = ctx.attribute(Attr::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)? as f64;

@@ -6,12 +6,35 @@
 //! copied GPU -> host -> GPU, and work on the two would not be ordered on one
 //! stream. Loading, hooks, dispatch, the Accelerator and NCCL therefore all
 //! ask here, and share the first device made for each ordinal.
+//!
+//! # Stream ordering
+//!
+//! candle 0.11 runs each host thread's work on that thread's own stream,
+//! and cudarc orders work across streams with per-allocation events only
+//! while its context has more than one stream ("multi-stream mode"). With
+//! just candle's per-thread streams, nothing orders a tensor written by one
+//! thread against its reading by another (or by NCCL's stream), and a
+//! tensor freed on one thread may be released while another thread's
+//! stream still reads it. So each device made here opens one side stream
+//! at once, before any tensor of it exists, and keeps it for the life of
+//! the process: every allocation then carries read/write events, candle's
+//! ops and ours wait on them, and frees wait for the last use.
 
 use std::sync::{Mutex, OnceLock};
 
 use candle_core::Device;
 
-static CUDA: OnceLock<Mutex<Vec<Option<Device>>>> = OnceLock::new();
+/// A device and, with CUDA, the side stream that keeps its context in
+/// multi-stream mode (never used for work; dropping it would switch the
+/// tracking off again).
+#[derive(Clone)]
+struct Slot {
+    device: Device,
+    #[cfg(feature = "cuda")]
+    _side: std::sync::Arc<cudarc::driver::CudaStream>,
+}
+
+static CUDA: OnceLock<Mutex<Vec<Option<Slot>>>> = OnceLock::new();
 
 /// The process's device for CUDA ordinal `ordinal`, made on first use.
 ///
@@ -22,15 +45,36 @@ pub fn cuda_device(ordinal: usize) -> candle_core::Result<Device> {
         .get_or_init(Mutex::default)
         .lock()
         .unwrap_or_else(|e| e.into_inner());
-    if let Some(Some(d)) = devices.get(ordinal) {
-        return Ok(d.clone());
+    if let Some(Some(slot)) = devices.get(ordinal) {
+        return Ok(slot.device.clone());
     }
-    let d = Device::new_cuda(ordinal)?;
+    let device = Device::new_cuda(ordinal)?;
+    let slot = Slot {
+        #[cfg(feature = "cuda")]
+        _side: side_stream(&device)?,
+        device: device.clone(),
+    };
     if devices.len() <= ordinal {
         devices.resize(ordinal + 1, None);
     }
-    devices[ordinal] = Some(d.clone());
-    Ok(d)
+    devices[ordinal] = Some(slot);
+    Ok(device)
+}
+
+/// Opens the side stream of a fresh CUDA device (see the module docs).
+#[cfg(feature = "cuda")]
+fn side_stream(device: &Device) -> candle_core::Result<std::sync::Arc<cudarc::driver::CudaStream>> {
+    let cuda = device.as_cuda_device()?;
+    let stream = cuda
+        .cuda_stream()
+        .context()
+        .new_stream()
+        .map_err(candle_core::Error::wrap)?;
+    debug_assert!(cuda
+        .cuda_stream()
+        .context()
+        .is_managing_stream_synchronization());
+    Ok(stream)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use half::{bf16, f16};
 /// `cuda:0`; a test that asked for a GPU and finds none fails (these tests
 /// are ignored by default, so a CPU run never counts them as passed).
 fn cuda(test: &str) -> Device {
-    Device::new_cuda(0)
+    accel_kernels::cuda_device(0)
         .unwrap_or_else(|e| panic!("{test}: needs a CUDA device (build with --features cuda): {e}"))
 }
 
@@ -360,6 +360,30 @@ fn nvrtc_compiles_every_source() -> Result<()> {
         for (name, ptx) in accel_kernels::cuda::compile_sources(arch)? {
             assert!(ptx.contains(".entry"), "{name} for {arch} has no kernels");
         }
+    }
+    Ok(())
+}
+
+/// A kernel's write is seen by a candle op on another host thread (another
+/// per-thread stream) without any host synchronisation in between: the
+/// write fence records the tensor's write event after the kernel, and the
+/// reader's stream waits for it. The tensor is large enough that a reader
+/// not ordered behind the kernel would see (part of) the old values.
+#[test]
+#[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+fn a_kernel_write_is_ordered_before_a_read_on_another_thread() -> Result<()> {
+    let dev = cuda("a_kernel_write_is_ordered_before_a_read_on_another_thread");
+    let n = 1 << 26;
+    for round in 0..4 {
+        let t = Tensor::ones(n, DType::F32, &dev)?;
+        scale_in_place(std::slice::from_ref(&t), 3.0)?;
+        let seen = std::thread::scope(|s| {
+            // The smallest element: 1.0 if any was read before the kernel.
+            s.spawn(|| t.min(0)?.to_scalar::<f32>())
+                .join()
+                .expect("reader thread")
+        })?;
+        assert_eq!(seen, 3.0, "round {round}");
     }
     Ok(())
 }

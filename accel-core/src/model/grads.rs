@@ -48,11 +48,9 @@ impl PreparedModel {
                 }
             };
             if !g.has_grad[i] {
-                // The buffer may hold a previous step's values (even NaN): clear, don't scale.
-                accel_kernels::with_slice_mut::<f32, _>(&t, "zero_grad", |s| {
-                    s.fill(0.0);
-                    Ok(())
-                })?;
+                // The buffer may hold a previous step's values (even NaN):
+                // clear, don't scale. In place, on whatever device it lives.
+                t.zero_set()?;
                 g.has_grad[i] = true;
             }
             all.push(t);

@@ -59,6 +59,11 @@ fn run(scenario: &str) -> Result<()> {
             );
             Ok(())
         }
+        "ddp" => {
+            let checks = ddp(&comm)?;
+            println!(r#"{{"rank":{},"ok":true,"checks":{checks}}}"#, cfg.rank);
+            Ok(())
+        }
         "killed" | "abort" | "stall" => failure(&comm, scenario),
         "mismatch" => {
             let mut v = vec![1.0f32; 4 + comm.rank().min(1)];
@@ -97,7 +102,94 @@ fn expect_eq<T: PartialEq + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) 
     })
 }
 
+/// Fails with a message when some `got[i]` differs from `want[i]` by more
+/// than `rel` of its magnitude.
+fn expect_close(what: &str, got: &[f32], want: &[f32], rel: f32) -> Result<()> {
+    let bad = got
+        .iter()
+        .zip(want)
+        .position(|(g, w)| (g - w).abs() > rel * w.abs().max(1.0));
+    match bad {
+        None if got.len() == want.len() => Ok(()),
+        _ => expect_eq(what, got, want),
+    }
+}
+
 const SIZES: &[usize] = &[0, 1, 2, 3, 7, 64, 1000, 4099, 70_001];
+
+/// The device of the `ddp` scenario's tensors: `cuda:0` (shared by every
+/// rank) when `ACCEL_TEST_CUDA=1`, else the CPU.
+fn test_device() -> Result<Device> {
+    if std::env::var("ACCEL_TEST_CUDA").as_deref() == Ok("1") {
+        return Ok(accel_kernels::cuda_device(0)?);
+    }
+    Ok(Device::Cpu)
+}
+
+/// DDP buckets and the parameter broadcast on f32, bf16 and f16 tensors of
+/// the test device (so the host path and the device path both run on the
+/// CPU, and the staged CUDA path on a GPU), with and without compression.
+/// Values are small integers times (rank + 1), exact in every dtype; the
+/// mean is checked to a relative 1e-6 without compression (the backend
+/// divides in its own way) and to the wire dtype's precision with it.
+fn ddp(c: &TcpCommunicator) -> Result<usize> {
+    use accel_dist::ddp::{broadcast_parameters, CommHook, GradBuckets};
+    use candle_core::DType;
+    let (r, n) = (c.rank(), c.world_size());
+    let dev = test_device()?;
+    let numels = [3usize, 1000, 1, 4099, 64];
+    let mut checks = 0;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for hook in [CommHook::None, CommHook::Fp16, CommHook::Bf16] {
+            let base = |p: usize, i: usize| ((i + p) % 8) as f32;
+            let grads = numels
+                .iter()
+                .enumerate()
+                .map(|(p, &len)| {
+                    let v: Vec<f32> = (0..len).map(|i| base(p, i) * (r + 1) as f32).collect();
+                    Ok(Tensor::from_vec(v, len, &dev)?.to_dtype(dtype)?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let before: Vec<Tensor> = grads.to_vec();
+            // A small cap: several buckets, one holding two parameters.
+            GradBuckets::new(&numels, 4 * 1100).all_reduce_mean(c, &grads, hook)?;
+            let scale = (1..=n).sum::<usize>() as f32 / n as f32;
+            for (p, (g, b)) in grads.iter().zip(&before).enumerate() {
+                // In place: the tensor handed in holds the mean.
+                expect_eq(
+                    &format!("ddp {dtype:?} {hook:?} param {p} stays in place"),
+                    &[g.id()],
+                    &[b.id()],
+                )?;
+                let got = g.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                let want: Vec<f32> = (0..numels[p]).map(|i| base(p, i) * scale).collect();
+                let tol = if hook == CommHook::None { 1e-6 } else { 1e-2 };
+                expect_close(
+                    &format!("ddp {dtype:?} {hook:?} param {p}"),
+                    &got,
+                    &want,
+                    tol,
+                )?;
+                checks += 1;
+            }
+        }
+        let params = numels
+            .iter()
+            .map(|&len| {
+                let v: Vec<f32> = (0..len).map(|i| (i % 5 + r) as f32).collect();
+                Ok(Tensor::from_vec(v, len, &dev)?.to_dtype(dtype)?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        broadcast_parameters(c, &params, n - 1)?;
+        for (p, t) in params.iter().enumerate() {
+            let got = t.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let want: Vec<f32> = (0..numels[p]).map(|i| (i % 5 + n - 1) as f32).collect();
+            expect_eq(&format!("broadcast {dtype:?} param {p}"), &got, &want)?;
+            checks += 1;
+        }
+    }
+    Ok(checks)
+}
 
 fn collectives(c: &TcpCommunicator) -> Result<usize> {
     let (r, n) = (c.rank(), c.world_size());

@@ -1,10 +1,19 @@
 //! Gradient buckets: flatten, all-reduce, scatter back.
+//!
+//! Two paths with one meaning. Contiguous fp32 CPU gradients are packed
+//! into a host vector and reduced as a buffer (the TCP backend's fast path).
+//! Any other gradients (CUDA tensors, bf16/f16) are packed into one tensor
+//! per bucket and dtype *on their device* and reduced with the tensor
+//! collective in place: NCCL reduces it in device memory on its own stream
+//! (ordered by events, see `backend/nccl`), a host backend stages it
+//! through host memory. The reduced values are written back into each
+//! gradient's storage, so the gradient tensors keep their identity.
 
 use candle_core::{DType, Tensor};
 use half::{bf16, f16};
 
 use super::CommHook;
-use crate::{BufferMut, Communicator, Error, ReduceOp, Result};
+use crate::{BufferMut, Communicator, ReduceOp, Result};
 
 /// Parameters grouped into buckets of at most `cap` bytes, in reverse
 /// registration order as PyTorch DDP builds them (the last layers' gradients
@@ -14,19 +23,22 @@ pub struct GradBuckets {
     buckets: Vec<Vec<usize>>,
 }
 
-fn check_cpu_f32(op: &'static str, t: &Tensor) -> Result<()> {
-    if !t.device().is_cpu() {
-        return Err(Error::RequiresCpu {
-            op,
-            device: format!("{:?}", t.device()),
+/// True when every tensor is a contiguous fp32 CPU tensor (the host path).
+fn all_host_f32(ts: &[Tensor]) -> bool {
+    ts.iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous())
+}
+
+/// Writes `value` (same element count, any dtype) into `dst`'s storage.
+fn write_into(dst: &Tensor, value: &Tensor) -> Result<()> {
+    if !dst.is_contiguous() {
+        // Flattening would copy, and the write would land in the copy.
+        return Err(crate::Error::RequiresContiguous {
+            op: "ddp write back",
         });
     }
-    if t.dtype() != DType::F32 {
-        return Err(Error::UnsupportedDType {
-            op,
-            dtype: t.dtype(),
-        });
-    }
+    let value = value.to_dtype(dst.dtype())?.flatten_all()?.contiguous()?;
+    dst.flatten_all()?.slice_set(&value, 0, 0)?;
     Ok(())
 }
 
@@ -58,7 +70,8 @@ impl GradBuckets {
     }
 
     /// Replaces every gradient by its mean over all ranks, bucket by bucket.
-    /// `grads[i]` is parameter `i`'s contiguous fp32 CPU gradient.
+    /// `grads[i]` is parameter `i`'s contiguous gradient, on any device and
+    /// of any float dtype (see the module docs for the two paths).
     pub fn all_reduce_mean(
         &self,
         comm: &dyn Communicator,
@@ -69,12 +82,14 @@ impl GradBuckets {
         if comm.world_size() == 1 {
             return Ok(());
         }
+        if !all_host_f32(grads) {
+            return self.all_reduce_mean_tensors(comm, grads, hook);
+        }
         let world = comm.world_size() as f32;
         let mut flat: Vec<f32> = vec![];
         for bucket in &self.buckets {
             flat.clear();
             for &i in bucket {
-                check_cpu_f32(OP, &grads[i])?;
                 accel_kernels::with_slice::<f32, _>(&grads[i], OP, |s| {
                     flat.extend_from_slice(s);
                     Ok(())
@@ -112,17 +127,96 @@ impl GradBuckets {
         }
         Ok(())
     }
+
+    /// The device path of [`GradBuckets::all_reduce_mean`]: per bucket, the
+    /// gradients of each dtype packed into one tensor on their device,
+    /// reduced in place, and written back.
+    fn all_reduce_mean_tensors(
+        &self,
+        comm: &dyn Communicator,
+        grads: &[Tensor],
+        hook: CommHook,
+    ) -> Result<()> {
+        let world = comm.world_size() as f32;
+        if grads.iter().any(|g| !g.is_contiguous()) {
+            return Err(crate::Error::RequiresContiguous {
+                op: "ddp all_reduce",
+            });
+        }
+        for bucket in &self.buckets {
+            let mut dtypes: Vec<DType> = bucket.iter().map(|&i| grads[i].dtype()).collect();
+            dtypes.sort_by_key(|d| d.as_str());
+            dtypes.dedup();
+            for dtype in dtypes {
+                let idx: Vec<usize> = bucket
+                    .iter()
+                    .copied()
+                    .filter(|&i| grads[i].dtype() == dtype)
+                    .collect();
+                // A lone gradient is reduced in its own storage (a
+                // contiguous tensor's flattened view shares it); several are
+                // packed into a new tensor.
+                let flat = idx
+                    .iter()
+                    .map(|&i| grads[i].flatten_all())
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let single = flat.len() == 1;
+                let packed = if single {
+                    flat[0].clone()
+                } else {
+                    Tensor::cat(&flat, 0)?
+                };
+                let reduced = match hook {
+                    CommHook::None => {
+                        comm.all_reduce_tensor_inplace(&packed, ReduceOp::Mean)?;
+                        if single {
+                            continue;
+                        }
+                        packed
+                    }
+                    CommHook::Fp16 | CommHook::Bf16 => {
+                        let wire = if hook == CommHook::Fp16 {
+                            DType::F16
+                        } else {
+                            DType::BF16
+                        };
+                        let n = Tensor::new(world, packed.device())?;
+                        let wire = packed
+                            .to_dtype(DType::F32)?
+                            .broadcast_div(&n)?
+                            .to_dtype(wire)?;
+                        comm.all_reduce_tensor_inplace(&wire, ReduceOp::Sum)?;
+                        wire
+                    }
+                };
+                let mut offset = 0;
+                for &i in &idx {
+                    let n = grads[i].elem_count();
+                    write_into(&grads[i], &reduced.narrow(0, offset, n)?)?;
+                    offset += n;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Overwrites every parameter with rank `root`'s values, in place (DDP does
-/// this once when it wraps a model so all replicas start equal).
+/// this once when it wraps a model so all replicas start equal). Parameters
+/// may live on any device, in any dtype (see the module docs).
 pub fn broadcast_parameters(comm: &dyn Communicator, params: &[Tensor], root: usize) -> Result<()> {
     const OP: &str = "ddp broadcast_parameters";
     if comm.world_size() == 1 {
         return Ok(());
     }
+    if !all_host_f32(params) {
+        for p in params {
+            let from_root = comm.broadcast_tensor(&p.contiguous()?, root)?;
+            write_into(p, &from_root)?;
+        }
+        return Ok(());
+    }
     for p in params {
-        check_cpu_f32(OP, p)?;
         let mut buf: Vec<f32> = accel_kernels::with_slice::<f32, _>(p, OP, |s| Ok(s.to_vec()))?;
         comm.broadcast(BufferMut::from(&mut buf[..]), root)?;
         accel_kernels::with_slice_mut::<f32, _>(p, OP, |s| {

@@ -36,14 +36,27 @@
 //! follows the `half` crate): on sm_80+ `cvt.rn.bf16.f32` returns the
 //! canonical NaN.
 //!
-//! # Locking
+//! # Streams and locking
+//!
+//! candle 0.11 gives every host thread its own stream on a device
+//! (`CudaDevice::new` wraps CUDA's per-thread default stream, so
+//! `cuda_stream()` means "the calling thread's stream"). Launches here go
+//! to that stream, so they are ordered with the candle ops of the calling
+//! thread. Work of *other* streams (another thread's candle ops, NCCL's own
+//! stream) is ordered by cudarc's per-allocation events, which cudarc only
+//! tracks once its context runs more than one stream: [`crate::cuda_device`]
+//! therefore opens a side stream on every device it makes (see
+//! `devices.rs`), and tensors must come from that device.
 //!
 //! A call holds *read* locks on the storages of all its tensors while it
-//! enqueues its kernels, including the ones it writes: the lock guards the
-//! storage handle, while the device memory is ordered by candle's stream,
-//! on which every candle op of the device is also enqueued. Written tensors
-//! must not share storage with other tensors of the call
-//! ([`Error::AliasedStorage`]), as on the CPU.
+//! enqueues its kernels: taking an address through a read guard makes this
+//! stream wait for the tensor's last write and records a read event after
+//! the launch (ordering later writers and frees behind it). Tensors the
+//! call writes are then write-locked one at a time and their write events
+//! recorded after the launch (`operands::fence_writes`), so readers on
+//! other streams wait for the kernel too. Written tensors must not share
+//! storage with other tensors of the call ([`Error::AliasedStorage`]), as
+//! on the CPU.
 
 mod launch;
 mod operands;

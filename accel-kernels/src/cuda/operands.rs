@@ -5,8 +5,8 @@ use std::collections::HashMap;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};
-use candle_core::{DType, Storage, Tensor};
-use cudarc::driver::{CudaStream, DevicePtr, SyncOnDrop};
+use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::chunk_len;
 use crate::{Error, Result};
@@ -49,14 +49,17 @@ pub(crate) type Ptrs = Vec<Vec<u64>>;
 
 /// Read-locks the storages of all tensors of `lists` (once per storage),
 /// and runs `f` with their device, and the address of each tensor's first
-/// element. The locks and candle's stream-ordering guards are held until
-/// `f` returns, so `f` must enqueue all the work on those addresses.
+/// element. The locks and cudarc's stream-ordering guards are held until
+/// `f` returns, so `f` must enqueue all the work on those addresses; then
+/// the tensors of the lists named in `written` get a write fence (see
+/// [`fence_writes`]).
 ///
 /// Every tensor must be a contiguous f32/bf16/f16 CUDA tensor of one
 /// device (checked by the callers before).
 pub(crate) fn with_device_ptrs<R>(
     op: &'static str,
     lists: &[&[Tensor]],
+    written: &[usize],
     f: impl FnOnce(&CudaDevice, &Ptrs) -> Result<R>,
 ) -> Result<R> {
     let all: Vec<&Tensor> = lists.iter().flat_map(|l| l.iter()).collect();
@@ -118,11 +121,69 @@ pub(crate) fn with_device_ptrs<R>(
         ptrs.push(v);
     }
     let out = f(&dev, &ptrs);
-    // Recording the read events after the launches orders later work of
-    // other streams behind them; only then may the locks go.
+    // Recording the read events after the launches orders later writers
+    // and frees of other streams behind them; only then may the locks go.
     drop(records);
     drop(guards);
-    out
+    let out = out?;
+    for &l in written {
+        fence_writes(op, lists[l])?;
+    }
+    Ok(out)
+}
+
+/// Records each tensor's cudarc *write* event on the calling thread's
+/// stream, after the work just enqueued there.
+///
+/// The launches above hold read locks only: one kernel writes many tensors
+/// and candle hands out one write lock at a time (nesting one per tensor
+/// would recurse once per parameter). A read guard records the *read*
+/// event, which orders later writers and frees but not later readers on
+/// other streams: those wait for the write event. So, once the work is
+/// enqueued, each written storage is write-locked in turn and
+/// `device_ptr_mut` records its write event on this stream, after the
+/// kernel. A reader on any stream (another host thread's, NCCL's) then
+/// waits for the kernel. With event tracking off (one stream in the
+/// context) the calls record nothing, as cudarc intends.
+pub(crate) fn fence_writes(op: &'static str, tensors: &[Tensor]) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for t in tensors {
+        if seen.insert(t.id()) {
+            t.inplace_op1(&WriteFence { op })?;
+        }
+    }
+    Ok(())
+}
+
+/// The in-place "op" behind [`fence_writes`]: it takes the write lock and
+/// records the write event, touching no data.
+struct WriteFence {
+    op: &'static str,
+}
+
+impl InplaceOp1 for WriteFence {
+    fn name(&self) -> &'static str {
+        self.op
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        Ok(())
+    }
+
+    fn cuda_fwd(&self, cs: &mut CudaStorage, _: &Layout) -> candle_core::Result<()> {
+        let stream = cs.device.cuda_stream();
+        match &mut cs.slice {
+            CudaStorageSlice::F32(s) => drop(s.device_ptr_mut(&stream)),
+            CudaStorageSlice::BF16(s) => drop(s.device_ptr_mut(&stream)),
+            CudaStorageSlice::F16(s) => drop(s.device_ptr_mut(&stream)),
+            CudaStorageSlice::F64(s) => drop(s.device_ptr_mut(&stream)),
+            CudaStorageSlice::U32(s) => drop(s.device_ptr_mut(&stream)),
+            CudaStorageSlice::U8(s) => drop(s.device_ptr_mut(&stream)),
+            CudaStorageSlice::I64(s) => drop(s.device_ptr_mut(&stream)),
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 /// One operand column of a table: per tensor, its address and element size.

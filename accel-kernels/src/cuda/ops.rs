@@ -28,7 +28,7 @@ pub(crate) fn cast_into(src: &[Tensor], dst: &[Tensor]) -> Result<()> {
         return Ok(());
     }
     let (s_elem, d_elem, n) = (elem_sizes(src), elem_sizes(dst), lens(src));
-    with_device_ptrs(OP, &[src, dst], |dev, ptrs| {
+    with_device_ptrs(OP, &[src, dst], &[1], |dev, ptrs| {
         for (from, to) in pairs_of(src, dst, &convert) {
             let idx: Vec<usize> = convert
                 .iter()
@@ -103,7 +103,7 @@ fn per_dtype(
     mut args: impl FnMut() -> Args<'static>,
 ) -> Result<()> {
     let (elem, n) = (elem_sizes(ts), lens(ts));
-    with_device_ptrs(op, &[ts], |dev, ptrs| {
+    with_device_ptrs(op, &[ts], &[0], |dev, ptrs| {
         for (dtype, idx) in by_dtype(ts) {
             let cols = [Column {
                 ptrs: &ptrs[0],
@@ -125,7 +125,8 @@ fn per_dtype(
 /// every dtype group of `ts` into one device flag, and reads it back once.
 fn check(op: &'static str, ts: &[Tensor], factor: Option<f32>) -> Result<bool> {
     let (elem, n) = (elem_sizes(ts), lens(ts));
-    with_device_ptrs(op, &[ts], |dev, ptrs| {
+    let written: &[usize] = if factor.is_some() { &[0] } else { &[] };
+    with_device_ptrs(op, &[ts], written, |dev, ptrs| {
         let stream = dev.cuda_stream();
         let mut flag = stream.alloc_zeros::<u32>(1).w(op, "alloc")?;
         for (dtype, idx) in by_dtype(ts) {
@@ -196,7 +197,8 @@ fn with_grads(
     let g_elem = elem_sizes(grads);
     let mut lists: Vec<&[Tensor]> = f32_lists.to_vec();
     lists.push(grads);
-    with_device_ptrs(op, &lists, |dev, ptrs| {
+    let written: Vec<usize> = (0..f32_lists.len()).collect();
+    with_device_ptrs(op, &lists, &written, |dev, ptrs| {
         for (dtype, idx) in by_dtype(grads) {
             let mut cols: Vec<Column<'_>> = ptrs[..f32_lists.len()]
                 .iter()
@@ -286,7 +288,7 @@ fn with_grads_no_buf(params: &[Tensor], grads: &[Tensor], a: SgdArgs) -> Result<
     let f32_elem = vec![4usize; grads.len()];
     let g_elem = elem_sizes(grads);
     let none = vec![0u64; grads.len()];
-    with_device_ptrs(OP, &[params, grads], |dev, ptrs| {
+    with_device_ptrs(OP, &[params, grads], &[0], |dev, ptrs| {
         for (dtype, idx) in by_dtype(grads) {
             let cols = [
                 Column {
@@ -313,7 +315,7 @@ fn with_grads_no_buf(params: &[Tensor], grads: &[Tensor], a: SgdArgs) -> Result<
 /// the partial results in chunk order (group by group).
 fn partials(op: &'static str, ts: &[Tensor], kernel: fn(DType) -> KernelId) -> Result<Vec<f64>> {
     let (elem, n) = (elem_sizes(ts), lens(ts));
-    with_device_ptrs(op, &[ts], |dev, ptrs| {
+    with_device_ptrs(op, &[ts], &[], |dev, ptrs| {
         let stream = dev.cuda_stream();
         let mut all = Vec::new();
         for (dtype, idx) in by_dtype(ts) {

@@ -346,7 +346,7 @@ fn cpu_offload_with_hook_leaves_a_pipelines_outputs_unchanged() {
 #[test]
 #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
 fn cpu_offload_with_hook_evicts_the_previous_model_on_first_forward() {
-    let gpu = Device::new_cuda(0)
+    let gpu = accel_kernels::cuda_device(0)
         .unwrap_or_else(|e| panic!("needs a CUDA device (build with --features cuda): {e}"));
     let (a, plain_a, _ma) = model();
     let (b, _plain_b, _mb) = model();

@@ -1,10 +1,14 @@
 //! The collectives: on CUDA tensors in place, on host buffers staged
 //! through device memory.
 
+use std::cell::RefCell;
+
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::CudaStorageSlice;
-use candle_core::{DType, Storage, Tensor};
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr, SyncOnDrop, ValidAsZeroBits};
+use candle_core::cuda::{CudaStorage, CudaStorageSlice};
+use candle_core::{CpuStorage, DType, InplaceOp1, InplaceOp2, Layout, Tensor};
+use cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop, ValidAsZeroBits,
+};
 use cudarc::nccl::{result, sys};
 
 use super::NcclCommunicator;
@@ -39,20 +43,13 @@ fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
     }
 }
 
-/// The device address of a CUDA storage's allocation, and candle's event
-/// guard to drop once the work using it is enqueued.
-fn storage_ptr<'a>(
+/// The address of a storage read by a collective: the NCCL stream waits for
+/// its last write; the guard records the NCCL stream's read event.
+fn read_ptr<'a>(
     op: &'static str,
-    storage: &'a Storage,
+    cs: &'a CudaStorage,
     stream: &'a CudaStream,
 ) -> Result<(u64, SyncOnDrop<'a>)> {
-    let Storage::Cuda(cs) = storage else {
-        return Err(Error::DeviceMismatch {
-            op,
-            expected: "a CUDA device".into(),
-            got: "the CPU".into(),
-        });
-    };
     Ok(match &cs.slice {
         CudaStorageSlice::F32(s) => s.device_ptr(stream),
         CudaStorageSlice::F64(s) => s.device_ptr(stream),
@@ -68,6 +65,158 @@ fn storage_ptr<'a>(
             })
         }
     })
+}
+
+/// The address of a storage written by a collective: the NCCL stream waits
+/// for its last write and reads; the guard records the NCCL stream's write
+/// event, which later readers on any stream wait for.
+fn write_ptr<'a>(
+    op: &'static str,
+    cs: &'a mut CudaStorage,
+    stream: &'a CudaStream,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    let dtype = cs.dtype();
+    Ok(match &mut cs.slice {
+        CudaStorageSlice::F32(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::F64(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::BF16(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::F16(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::U32(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::I64(s) => s.device_ptr_mut(stream),
+        CudaStorageSlice::U8(s) => s.device_ptr_mut(stream),
+        _ => return Err(Error::UnsupportedDType { op, dtype }),
+    })
+}
+
+/// The address of the element at `layout`'s start in an allocation at `base`.
+fn at(base: u64, layout: &Layout, dtype: DType) -> u64 {
+    base + (layout.start_offset() * dtype.size_in_bytes()) as u64
+}
+
+/// An NCCL call `f(send, recv, comm, stream)` run as a candle in-place op
+/// on its output, so that the output is written under candle's write lock
+/// and its cudarc write event (see the module docs on streams).
+struct TensorCall<'c, F> {
+    comm: &'c NcclCommunicator,
+    op: &'static str,
+    call: &'static str,
+    f: RefCell<Option<F>>,
+    out: RefCell<Option<Result<()>>>,
+}
+
+impl<F> TensorCall<'_, F>
+where
+    F: FnOnce(
+        u64,
+        u64,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> std::result::Result<result::NcclStatus, result::NcclError>,
+{
+    /// Runs the call on `dst` (and `src`, or `dst` itself when `None`),
+    /// keeping the result for [`TensorCall::finish`].
+    fn enqueue(&self, dst: &mut CudaStorage, dst_l: &Layout, src: Option<(&CudaStorage, &Layout)>) {
+        let stream = &self.comm.stream;
+        let dtype = dst.dtype();
+        let result = (|| {
+            let f = self.f.borrow_mut().take().ok_or(Error::Poisoned {
+                op: self.op,
+                cause: "a tensor call ran twice".into(),
+            })?;
+            match src {
+                None => {
+                    let (base, _write) = write_ptr(self.op, dst, stream)?;
+                    let p = at(base, dst_l, dtype);
+                    self.comm.run(
+                        self.op,
+                        self.call,
+                        self.comm.config.blocking_wait,
+                        |c, s| f(p, p, c, s),
+                    )
+                }
+                Some((src, src_l)) => {
+                    let (s_base, _read) = read_ptr(self.op, src, stream)?;
+                    let (d_base, _write) = write_ptr(self.op, dst, stream)?;
+                    let (send, recv) = (at(s_base, src_l, src.dtype()), at(d_base, dst_l, dtype));
+                    self.comm.run(
+                        self.op,
+                        self.call,
+                        self.comm.config.blocking_wait,
+                        |c, s| f(send, recv, c, s),
+                    )
+                }
+            }
+        })();
+        *self.out.borrow_mut() = Some(result);
+    }
+
+    fn finish(self, ran: candle_core::Result<()>) -> Result<()> {
+        ran?;
+        self.out.into_inner().unwrap_or_else(|| {
+            Err(Error::Poisoned {
+                op: self.op,
+                cause: "candle did not run the collective on the CUDA storage".into(),
+            })
+        })
+    }
+}
+
+impl<F> InplaceOp1 for TensorCall<'_, F>
+where
+    F: FnOnce(
+        u64,
+        u64,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> std::result::Result<result::NcclStatus, result::NcclError>,
+{
+    fn name(&self) -> &'static str {
+        self.op
+    }
+
+    fn cpu_fwd(&self, _: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        candle_core::bail!("{}: NCCL needs a CUDA tensor", self.op)
+    }
+
+    fn cuda_fwd(&self, dst: &mut CudaStorage, dst_l: &Layout) -> candle_core::Result<()> {
+        self.enqueue(dst, dst_l, None);
+        Ok(())
+    }
+}
+
+impl<F> InplaceOp2 for TensorCall<'_, F>
+where
+    F: FnOnce(
+        u64,
+        u64,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> std::result::Result<result::NcclStatus, result::NcclError>,
+{
+    fn name(&self) -> &'static str {
+        self.op
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        candle_core::bail!("{}: NCCL needs CUDA tensors", self.op)
+    }
+
+    fn cuda_fwd(
+        &self,
+        dst: &mut CudaStorage,
+        dst_l: &Layout,
+        src: &CudaStorage,
+        src_l: &Layout,
+    ) -> candle_core::Result<()> {
+        self.enqueue(dst, dst_l, Some((src, src_l)));
+        Ok(())
+    }
 }
 
 impl NcclCommunicator {
@@ -111,24 +260,19 @@ impl NcclCommunicator {
         if input.elem_count() == 0 && output.elem_count() == 0 {
             return Ok(()); // nothing to move on any rank (shapes match)
         }
-        let addr = |t: &Tensor, base: u64| {
-            let start = t.layout().start_offset() * t.dtype().size_in_bytes();
-            base + start as u64
+        let task = TensorCall {
+            comm: self,
+            op,
+            call,
+            f: RefCell::new(Some(f)),
+            out: RefCell::new(None),
         };
-        let (gi, _) = input.storage_and_layout();
-        let (pi, _ri) = storage_ptr(op, &gi, &self.stream)?;
-        let send = addr(input, pi);
-        if input.id() == output.id() {
-            return self.run(op, call, self.config.blocking_wait, |c, s| {
-                f(send, send, c, s)
-            });
-        }
-        let (go, _) = output.storage_and_layout();
-        let (po, _ro) = storage_ptr(op, &go, &self.stream)?;
-        let recv = addr(output, po);
-        self.run(op, call, self.config.blocking_wait, |c, s| {
-            f(send, recv, c, s)
-        })
+        let ran = if input.id() == output.id() {
+            output.inplace_op1(&task)
+        } else {
+            output.inplace_op2(input, &task)
+        };
+        task.finish(ran)
     }
 
     /// Copies `host` to the device, runs `f(ptr, comm, stream)` on the copy,
@@ -202,10 +346,11 @@ fn vp(p: u64) -> *mut std::ffi::c_void {
 }
 
 // The NCCL calls below share one safety argument, referred to as "the NCCL
-// call note": the pointers come from `storage_ptr` / `staged*` and point to
-// device allocations that stay alive and locked (storage read guards, or
-// owned `CudaSlice`s) until the call is enqueued and, for staged buffers,
-// completed; the counts are the element counts of those allocations
+// call note": the pointers come from `read_ptr`/`write_ptr` or `staged*` and
+// point to device allocations that stay alive and locked (candle's storage
+// locks inside `TensorCall`, or owned `CudaSlice`s) until the call is
+// enqueued and, for staged buffers, completed; their frees wait for the
+// NCCL stream's events recorded by the guards; the counts are the element counts of those allocations
 // (checked pairwise by `check_pair`, or by construction of the output);
 // the NCCL dtype is the element type's; `comm` and `stream` are the live
 // communicator (`run` holds its lock) and candle's stream of its device.

@@ -1,7 +1,7 @@
 //! The communicator handle: calls, waiting with a timeout, abort, teardown.
 
 use std::ffi::{c_char, CStr};
-use std::sync::MutexGuard;
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::nccl::{result, sys};
@@ -19,6 +19,37 @@ pub(super) struct RawComm {
 // NCCL only forbids concurrent calls on one communicator, which the `Mutex`
 // around `RawComm` rules out. No `Sync` is claimed.
 unsafe impl Send for RawComm {}
+
+impl RawComm {
+    /// Aborts the communicator (unblocking its kernels) and poisons it;
+    /// does nothing to one already failed.
+    pub(super) fn abort(&mut self, cause: String) {
+        if self.failed.is_some() {
+            return;
+        }
+        // SAFETY: `self.comm` is live (`failed` is None) and, with `failed`
+        // set below, never used again (Drop skips failed communicators).
+        let _ = unsafe { result::comm_abort(self.comm) };
+        self.failed = Some(cause);
+    }
+}
+
+/// The asynchronous error NCCL reports for `comm`, if any.
+pub(super) fn async_error(comm: sys::ncclComm_t) -> Option<String> {
+    let mut state = sys::ncclResult_t::ncclSuccess;
+    // SAFETY: `comm` is a live communicator (callers hold its lock and
+    // checked it has not failed); `state` is a valid out-pointer.
+    let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
+    [r, state]
+        .into_iter()
+        .find(|s| {
+            !matches!(
+                s,
+                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+            )
+        })
+        .map(|code| nccl_message(&result::NcclError(code), comm))
+}
 
 /// NCCL's description of `e`, plus the communicator's last error detail.
 pub(super) fn nccl_message(e: &result::NcclError, comm: sys::ncclComm_t) -> String {
@@ -63,8 +94,9 @@ impl NcclCommunicator {
         }
     }
 
-    /// Enqueues one NCCL call on candle's stream via `f(comm, stream)`, then
-    /// waits for it when `wait` (see the module docs on timeouts).
+    /// Enqueues one NCCL call on the communicator's stream via
+    /// `f(comm, stream)`; then waits for it when `wait`, or hands it to the
+    /// watchdog (see the module docs on timeouts).
     pub(super) fn run(
         &self,
         op: &'static str,
@@ -85,10 +117,17 @@ impl NcclCommunicator {
             raw.failed = Some(format!("{call}: {message}"));
             return Err(self.nccl_err(op, call, message));
         }
-        if wait {
-            self.wait(op, &mut raw)?;
+        match (&self.watchdog, wait) {
+            (Some(dog), false) => {
+                let done = self
+                    .stream
+                    .record_event(None)
+                    .map_err(|e| self.nccl_err(op, "cuEventRecord", format!("{e:?}")))?;
+                dog.track(op, done);
+                Ok(())
+            }
+            _ => self.wait(op, &mut raw),
         }
-        Ok(())
     }
 
     /// Polls until the stream's work so far is done, NCCL reports an error,
@@ -106,24 +145,13 @@ impl NcclCommunicator {
                 Ok(false) => {}
                 Err(e) => return Err(self.nccl_err(op, "cuEventQuery", format!("{e:?}"))),
             }
-            let mut state = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: `raw.comm` is a live communicator (not yet aborted:
-            // `failed` is None under the lock); `state` is a valid out-pointer.
-            let r = unsafe { sys::ncclCommGetAsyncError(raw.comm, &mut state) };
-            let bad = [r, state].into_iter().find(|s| {
-                !matches!(
-                    s,
-                    sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
-                )
-            });
-            if let Some(code) = bad {
-                let message = nccl_message(&result::NcclError(code), raw.comm);
-                self.abort(raw, format!("ncclCommGetAsyncError: {message}"));
+            if let Some(message) = async_error(raw.comm) {
+                raw.abort(format!("ncclCommGetAsyncError: {message}"));
                 return Err(self.nccl_err(op, "ncclCommGetAsyncError", message));
             }
             let waited = start.elapsed();
             if waited >= self.config.timeout {
-                self.abort(raw, format!("{op} timed out after {waited:?}"));
+                raw.abort(format!("{op} timed out after {waited:?}"));
                 return Err(Error::NcclTimeout {
                     op,
                     rank: self.rank,
@@ -135,33 +163,24 @@ impl NcclCommunicator {
             pause = (pause * 2).min(Duration::from_millis(5));
         }
     }
-
-    /// Aborts the communicator (unblocking its kernels) and poisons it.
-    fn abort(&self, raw: &mut RawComm, cause: String) {
-        // SAFETY: `raw.comm` is live and, with `failed` set below, never
-        // used again (Drop skips failed communicators).
-        let _ = unsafe { result::comm_abort(raw.comm) };
-        raw.failed = Some(cause);
-    }
 }
 
 impl Drop for NcclCommunicator {
+    /// Safe on any thread: the communicator's stream is its own (not a
+    /// per-thread stream), so waiting here waits for exactly its work; the
+    /// buffers it used carry its events, so their frees wait too.
     fn drop(&mut self) {
-        let (comm, failed) = {
-            let raw = self.comm.get_mut().unwrap_or_else(|p| p.into_inner());
-            (raw.comm, raw.failed.is_some())
-        };
-        if failed {
+        // The watchdog first: it must not abort behind our back below.
+        drop(self.watchdog.take());
+        let raw: &Mutex<RawComm> = &self.comm;
+        let mut raw = raw.lock().unwrap_or_else(|p| p.into_inner());
+        if raw.failed.is_some() {
             return;
         }
         // Let enqueued collectives finish (bounded by the timeout, which
         // aborts) before tearing down; abort rather than destroy, as cudarc
         // does, so that a vanished peer cannot block the exit.
-        let mut raw = RawComm { comm, failed: None };
         let _ = self.wait("drop", &mut raw);
-        if raw.failed.is_none() {
-            // SAFETY: the communicator is live and unused from here on.
-            let _ = unsafe { result::comm_abort(raw.comm) };
-        }
+        raw.abort("dropped".into());
     }
 }

@@ -6,15 +6,33 @@
 //! the timeout) before `ncclCommInitRank`, which itself has no timeout and
 //! would otherwise hang on a missing peer.
 //!
+//! # Streams
+//!
+//! Each communicator runs its collectives on a stream of its own, created
+//! on the device's context at connect (never a per-thread stream: candle
+//! 0.11 gives every host thread its own, so a per-thread handle would mean
+//! another stream on each thread, and a drop on another thread would wait
+//! for the wrong work). Collectives are ordered against candle's work,
+//! on whatever thread it runs, by cudarc's per-allocation events, which the
+//! devices of [`accel_kernels::cuda_device`] keep switched on: a tensor
+//! collective takes the tensor's address through a *write* guard (in place)
+//! or a read guard (inputs), so the NCCL stream first waits for the
+//! tensor's last write (and, for a written tensor, its last reads), and the
+//! guard records the NCCL stream's event after the call. A candle op that
+//! later reads the result waits for that event on the GPU, not on the host:
+//! the bucket all-reduces of DDP run on the NCCL stream while the compute
+//! stream goes on, as far as the data dependences allow. Tensors must come
+//! from `accel_kernels::cuda_device` (a device made by `Device::new_cuda`
+//! elsewhere has event tracking off and is not ordered).
+//!
 //! # Tensors and buffers
 //!
-//! Collectives on CUDA tensors run in place on the tensor's storage, on
-//! candle's stream of the device, so they are ordered with every candle op
-//! without extra synchronisation. Tensors must be contiguous
-//! ([`Error::RequiresContiguous`] names the op) and on the communicator's
-//! device. The host-buffer methods of [`Communicator`](crate::Communicator) (and with them
-//! `barrier`, the byte and object helpers, and CPU tensors) are staged
-//! through device memory: copy in, collective, copy out.
+//! Collectives on CUDA tensors run in place on the tensor's storage.
+//! Tensors must be contiguous ([`Error::RequiresContiguous`] names the op)
+//! and on the communicator's device. The host-buffer methods of
+//! [`Communicator`](crate::Communicator) (and with them `barrier`, the byte
+//! and object helpers, and CPU tensors) are staged through device memory:
+//! copy in, collective, copy out, and always wait.
 //!
 //! `Mean` uses NCCL's `ncclAvg` (sum, then divide, in the element type).
 //! `Max`/`Min` follow NCCL for NaN, which may differ from the TCP backend
@@ -23,25 +41,27 @@
 //! # Timeouts
 //!
 //! NCCL calls only enqueue work; a missing peer shows as a kernel that never
-//! finishes. With [`NcclConfig::blocking_wait`] (the default) every call
-//! waits for its work by polling a CUDA event and `ncclCommGetAsyncError`;
-//! past the timeout it calls `ncclCommAbort` and returns
-//! [`Error::NcclTimeout`] naming the op, and later calls return
-//! [`Error::Poisoned`]. Without it, tensor collectives return once enqueued
-//! (overlapping with compute, like PyTorch's default) and a failure surfaces
-//! as an error of a later call; only host-buffer calls, which must wait
-//! anyway, are bounded then.
+//! finishes. By default (as PyTorch) tensor collectives return once
+//! enqueued and a watchdog thread (`watchdog.rs`) bounds each of them by
+//! the timeout: past it, or on an NCCL error, it aborts the communicator
+//! (so nothing waiting on the stream hangs), and the next call returns
+//! [`Error::Poisoned`] naming the collective that timed out. With
+//! [`NcclConfig::blocking_wait`] every call instead waits for its work by
+//! polling an event and `ncclCommGetAsyncError`, and returns
+//! [`Error::NcclTimeout`] itself. Host-buffer calls always wait.
 //!
 //! # Threads
 //!
 //! An NCCL communicator may be used from any thread but not from two at
 //! once. The handle is therefore `Send` (see `RawComm`) and lives in a
-//! `Mutex`, which makes the communicator `Sync` without any claim beyond
-//! that; the collectives of one process are serialised.
+//! `Mutex` (shared with the watchdog), which makes the communicator `Sync`
+//! without any claim beyond that; the collectives of one process are
+//! serialised.
 #![allow(unsafe_code)]
 
 mod collectives;
 mod comm;
+mod watchdog;
 
 use std::ffi::c_char;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -63,8 +83,9 @@ use crate::{Error, Result, TcpStore};
 pub struct NcclConfig {
     /// How long a call may wait for its collective (and init for the peers).
     pub timeout: Duration,
-    /// Wait for every collective to finish, so that the timeout applies to
-    /// tensor collectives too (see the module docs).
+    /// Wait on the host for every collective to finish (PyTorch's
+    /// `TORCH_NCCL_BLOCKING_WAIT=1`); by default tensor collectives return
+    /// once enqueued and a watchdog bounds them (see the module docs).
     pub blocking_wait: bool,
 }
 
@@ -72,7 +93,7 @@ impl Default for NcclConfig {
     fn default() -> Self {
         Self {
             timeout: DEFAULT_TIMEOUT,
-            blocking_wait: true,
+            blocking_wait: false,
         }
     }
 }
@@ -100,9 +121,12 @@ pub struct NcclCommunicator {
     rank: usize,
     world: usize,
     device: CudaDevice,
+    /// The communicator's own stream (see the module docs).
     stream: Arc<CudaStream>,
     config: NcclConfig,
-    comm: Mutex<RawComm>,
+    comm: Arc<Mutex<RawComm>>,
+    /// Bounds non-blocking collectives; `None` with `blocking_wait`.
+    watchdog: Option<watchdog::Watchdog>,
 }
 
 impl std::fmt::Debug for NcclCommunicator {
@@ -188,24 +212,29 @@ impl NcclCommunicator {
             // untimed `ncclCommInitRank` safe to enter.
             store.barrier(&format!("accel/nccl/{generation}/init"), rank, world)?;
         }
-        let stream = dev.cuda_stream();
-        stream
-            .context()
-            .bind_to_thread()
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread()
             .map_err(|e| fail("cuCtxSetCurrent", format!("{e:?}")))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| fail("cuStreamCreate", format!("{e:?}")))?;
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: `comm` is a valid out-pointer; rank and world were checked
         // (`rank < world`, both small); the device's context is current, so
         // NCCL binds the communicator to that device.
         unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }
             .map_err(|e| fail("ncclCommInitRank", nccl_message(&e, std::ptr::null_mut())))?;
+        let comm = Arc::new(Mutex::new(RawComm { comm, failed: None }));
+        let watchdog = (!config.blocking_wait)
+            .then(|| watchdog::Watchdog::start(comm.clone(), ctx, config.timeout));
         Ok(Self {
             rank,
             world,
             device: dev.clone(),
             stream,
             config,
-            comm: Mutex::new(RawComm { comm, failed: None }),
+            comm,
+            watchdog,
         })
     }
 
