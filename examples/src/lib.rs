@@ -5,14 +5,19 @@
 //!   classifier workload.
 //! * [`gpt::Gpt`] with [`text::CORPUS`], [`text::CharTokenizer`] and
 //!   [`text::synthetic_tokens`]: the GPT language-model workload.
+//! * [`finetune_hf`], [`minilm`]: the programs of the `finetune_hf` and
+//!   `minilm_dispatch` examples, here so the integration tests can run them
+//!   as binaries of their own crate.
 //!
-//! Everything is deterministic given a seed and needs no download, so that
-//! the same batches can be replayed against the PyTorch reference.
+//! Everything is deterministic given a seed and needs no download (but for
+//! [`minilm`], which runs the checkpoint `scripts/fetch_minilm.sh` fetches),
+//! so that the same batches can be replayed against the PyTorch reference.
 #![warn(missing_docs)]
 
 pub mod finetune_hf;
 pub mod gpt;
 pub mod hf;
+pub mod minilm;
 pub mod mlp;
 pub mod mnist_like;
 pub mod stock;
