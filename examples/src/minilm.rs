@@ -92,8 +92,8 @@ impl Batch {
     fn encode(tok: &Tokenizer) -> Result<Self> {
         let token_ids = SENTENCES
             .iter()
-            .map(|s| tok.encode(s, true))
-            .collect::<accel_core::models::Result<Vec<_>>>()?;
+            .map(|s| Ok(tok.encode(s, true)?))
+            .collect::<Result<Vec<_>>>()?;
         let pad = tok
             .inner()
             .token_to_id("[PAD]")
