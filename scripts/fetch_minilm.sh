@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fetches the all-MiniLM-L6-v2 sentence-transformers checkpoint for
-# `cargo run -p accel-nn --example minilm_dispatch`.
+# `cargo run --release --example minilm_dispatch` (package accel-examples) and
+# the test that runs it (`cargo test -p accel-tests --test minilm -- --ignored`).
 #
 # Usage: scripts/fetch_minilm.sh [DEST]   (DEST defaults to target/minilm)
 #

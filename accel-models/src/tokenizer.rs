@@ -21,7 +21,9 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Reads a `tokenizer.json` file, or the one in a checkpoint folder.
+    /// Reads a `tokenizer.json` file, or the one in a checkpoint folder,
+    /// without the padding and truncation the file may set (as transformers
+    /// loads it; set them on a clone of [`Tokenizer::inner`] to batch).
     ///
     /// # Errors
     /// [`Error::Tokenizer`] naming the file when it is missing or invalid.
@@ -32,10 +34,16 @@ impl Tokenizer {
         } else {
             path.to_path_buf()
         };
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| Error::Tokenizer {
+        let err = |e: tokenizers::Error| Error::Tokenizer {
             path: path.clone(),
             reason: e.to_string(),
-        })?;
+        };
+        let mut inner = tokenizers::Tokenizer::from_file(&path).map_err(err)?;
+        // transformers' `tokenizer(text)` neither pads nor truncates unless
+        // asked, whatever the file says (sentence-transformers' exports pad
+        // and truncate to 128), so [`Tokenizer::encode`] does not either.
+        inner.with_padding(None);
+        inner.with_truncation(None).map_err(err)?;
         Ok(Self { inner, path })
     }
 

@@ -275,6 +275,30 @@ fn tokenizer_json_encodes_as_the_python_tokenizers_library() {
     assert_eq!(tok.decode(&want, true).unwrap(), prompt);
 }
 
+/// A `tokenizer.json` that pads and truncates to a fixed length (as
+/// sentence-transformers' exports do, to 128) encodes one text as
+/// transformers' `tokenizer(text)` does: neither padded nor truncated.
+#[test]
+fn tokenizer_json_padding_and_truncation_are_not_applied_to_encode() {
+    let r = reference("llama");
+    let path = fixture("llama").join("tokenizer.json");
+    let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json["padding"] = serde_json::json!({"strategy": {"Fixed": 16}, "direction": "Right",
+        "pad_to_multiple_of": null, "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"});
+    json["truncation"] = serde_json::json!({"direction": "Right", "max_length": 2,
+        "strategy": "LongestFirst", "stride": 0});
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+    let tok = Tokenizer::from_file(dir.path()).unwrap();
+    let want: Vec<u32> = serde_json::from_value(r["tokenizer"]["prompt_ids"].clone()).unwrap();
+    let prompt = r["tokenizer"]["prompt"].as_str().unwrap();
+    assert!(
+        want.len() > 2,
+        "the prompt must be longer than the truncation"
+    );
+    assert_eq!(tok.encode(prompt, true).unwrap(), want);
+}
+
 #[test]
 fn a_tokenizer_larger_than_the_vocabulary_is_refused_naming_the_file() {
     let e = Tokenizer::for_model(fixture("llama"), 100).unwrap_err();

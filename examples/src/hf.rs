@@ -105,6 +105,19 @@ pub fn parse_ids(text: &str) -> Result<Vec<u32>> {
         .collect()
 }
 
+/// Fails unless every id of `ids` (given by `flag`) has an embedding in a
+/// model of `vocab` tokens, naming the flag, rather than leaving an
+/// index-select error deep in the forward.
+///
+/// # Errors
+/// The first id `>= vocab`.
+pub fn check_ids(ids: &[u32], vocab: usize, flag: &str) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= vocab) {
+        Some(id) => bail!("{flag}: token id {id} is not below the model's vocab_size {vocab}"),
+        None => Ok(()),
+    }
+}
+
 /// A Hugging Face causal LM as the Trainer's model: a batch is one tensor of
 /// token ids `[b, t]`, the loss is transformers' (labels = ids, shifted in
 /// the model), predictions are the next-token argmax at the `t - 1`

@@ -5,14 +5,21 @@
 //!   classifier workload.
 //! * [`gpt::Gpt`] with [`text::CORPUS`], [`text::CharTokenizer`] and
 //!   [`text::synthetic_tokens`]: the GPT language-model workload.
+//! * [`finetune_hf`], [`hf_logits`], [`generate`], [`minilm`]: the programs
+//!   of the examples of those names (`minilm_dispatch` for [`minilm`]), here
+//!   so the integration tests can run them as binaries of their own crate.
 //!
-//! Everything is deterministic given a seed and needs no download, so that
-//! the same batches can be replayed against the PyTorch reference.
+//! Everything is deterministic given a seed and needs no download (but for
+//! [`minilm`], which runs the checkpoint `scripts/fetch_minilm.sh` fetches),
+//! so that the same batches can be replayed against the PyTorch reference.
 #![warn(missing_docs)]
 
 pub mod finetune_hf;
+pub mod generate;
 pub mod gpt;
 pub mod hf;
+pub mod hf_logits;
+pub mod minilm;
 pub mod mlp;
 pub mod mnist_like;
 pub mod stock;

@@ -1,0 +1,10 @@
+//! The `hf_logits` example's program as a binary of this crate, so the
+//! integration tests can run it (`CARGO_BIN_EXE_hf_logits_worker`) without
+//! building the examples; same command line and output.
+
+use accel_examples::hf_logits::{run, Args};
+use clap::Parser;
+
+fn main() -> anyhow::Result<()> {
+    run(&Args::parse(), &mut std::io::stdout().lock())
+}
