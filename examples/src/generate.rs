@@ -34,15 +34,9 @@ pub struct Args {
     /// Tokens to generate.
     #[arg(long)]
     pub max_new_tokens: usize,
-    /// Budget per device for planning, e.g. `cpu=300KB,disk=1GB`.
-    #[arg(long)]
-    pub max_memory: Option<String>,
-    /// Folder for offloaded weights the checkpoint cannot serve.
-    #[arg(long)]
-    pub offload_folder: Option<PathBuf>,
-    /// A device map JSON file.
-    #[arg(long)]
-    pub device_map: Option<PathBuf>,
+    /// Where the model goes: `--max-memory`, `--device-map`, `--offload-folder`.
+    #[command(flatten)]
+    pub placing: Placing,
     /// Generate all `--max-new-tokens` even past an end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -54,11 +48,7 @@ pub struct Args {
 /// Bad flags (naming the flag), a bad checkpoint, device map or tokenizer
 /// (naming the file).
 pub fn run(args: &Args, out: &mut impl Write) -> Result<()> {
-    let placing = Placing {
-        max_memory: args.max_memory.clone(),
-        device_map: args.device_map.clone(),
-        offload_folder: args.offload_folder.clone(),
-    };
+    let placing = args.placing.clone();
     // The ids first: a typo should not wait for a model load.
     let prompt_ids = match &args.prompt_ids {
         Some(ids) => Some(hf::parse_ids(ids).context("--prompt-ids")?),

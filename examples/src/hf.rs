@@ -11,14 +11,18 @@ use accel_core::nn::{DeviceMapChoice, LoadDispatchOptions};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 
-/// How to place a model: all on the CPU, planned under a budget, or by a map.
-#[derive(Debug, Clone, Default)]
+/// How to place a model: all on the CPU, planned under a budget, or by a map
+/// (the placement flags `hf_logits` and `generate` share).
+#[derive(Debug, Clone, Default, clap::Args)]
 pub struct Placing {
-    /// `cpu=300KB,disk=1GB` (Accelerate's `max_memory`).
+    /// Budget per device for planning, e.g. `cpu=300KB,disk=1GB` (Accelerate's `max_memory`).
+    #[arg(long)]
     pub max_memory: Option<String>,
-    /// A JSON device map as Python writes it.
+    /// A JSON device map as Python writes it (`{"model.embed_tokens": "cpu", ...}`).
+    #[arg(long)]
     pub device_map: Option<PathBuf>,
-    /// Where disk parts that the checkpoint cannot serve are written.
+    /// Folder for offloaded weights the checkpoint cannot serve.
+    #[arg(long)]
     pub offload_folder: Option<PathBuf>,
 }
 

@@ -29,15 +29,9 @@ pub struct Args {
     /// Token ids, comma-separated.
     #[arg(long)]
     pub input_ids: String,
-    /// Budget per device for planning, e.g. `cpu=300KB,disk=1GB`.
-    #[arg(long)]
-    pub max_memory: Option<String>,
-    /// Folder for offloaded weights the checkpoint cannot serve.
-    #[arg(long)]
-    pub offload_folder: Option<PathBuf>,
-    /// A device map JSON file (`{"model.embed_tokens": "cpu", ...}`).
-    #[arg(long)]
-    pub device_map: Option<PathBuf>,
+    /// Where the model goes: `--max-memory`, `--device-map`, `--offload-folder`.
+    #[command(flatten)]
+    pub placing: Placing,
 }
 
 /// Loads the model as `args` say and writes the JSON line to `out`.
@@ -45,11 +39,7 @@ pub struct Args {
 /// # Errors
 /// Bad flags (naming the flag), a bad checkpoint or device map (naming the file).
 pub fn run(args: &Args, out: &mut impl Write) -> Result<()> {
-    let placing = Placing {
-        max_memory: args.max_memory.clone(),
-        device_map: args.device_map.clone(),
-        offload_folder: args.offload_folder.clone(),
-    };
+    let placing = args.placing.clone();
     // The ids first: a typo should not wait for a model load.
     let ids = hf::parse_ids(&args.input_ids).context("--input-ids")?;
     let (model, map) = hf::load(&args.model, &placing)?;

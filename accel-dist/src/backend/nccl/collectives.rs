@@ -93,6 +93,27 @@ fn at(base: u64, layout: &Layout, dtype: DType) -> u64 {
     base + (layout.start_offset() * dtype.size_in_bytes()) as u64
 }
 
+/// An enqueued NCCL call: `f(send, recv, comm, stream)`.
+trait NcclCall:
+    FnOnce(
+    u64,
+    u64,
+    sys::ncclComm_t,
+    sys::cudaStream_t,
+) -> std::result::Result<result::NcclStatus, result::NcclError>
+{
+}
+
+impl<F> NcclCall for F where
+    F: FnOnce(
+        u64,
+        u64,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> std::result::Result<result::NcclStatus, result::NcclError>
+{
+}
+
 /// An NCCL call `f(send, recv, comm, stream)` run as a candle in-place op
 /// on its output, so that the output is written under candle's write lock
 /// and its cudarc write event (see the module docs on streams).
@@ -106,12 +127,7 @@ struct TensorCall<'c, F> {
 
 impl<F> TensorCall<'_, F>
 where
-    F: FnOnce(
-        u64,
-        u64,
-        sys::ncclComm_t,
-        sys::cudaStream_t,
-    ) -> std::result::Result<result::NcclStatus, result::NcclError>,
+    F: NcclCall,
 {
     /// Runs the call on `dst` (and `src`, or `dst` itself when `None`),
     /// keeping the result for [`TensorCall::finish`].
@@ -163,12 +179,7 @@ where
 
 impl<F> InplaceOp1 for TensorCall<'_, F>
 where
-    F: FnOnce(
-        u64,
-        u64,
-        sys::ncclComm_t,
-        sys::cudaStream_t,
-    ) -> std::result::Result<result::NcclStatus, result::NcclError>,
+    F: NcclCall,
 {
     fn name(&self) -> &'static str {
         self.op
@@ -186,12 +197,7 @@ where
 
 impl<F> InplaceOp2 for TensorCall<'_, F>
 where
-    F: FnOnce(
-        u64,
-        u64,
-        sys::ncclComm_t,
-        sys::cudaStream_t,
-    ) -> std::result::Result<result::NcclStatus, result::NcclError>,
+    F: NcclCall,
 {
     fn name(&self) -> &'static str {
         self.op
