@@ -9,7 +9,7 @@ use candle_core::{DType, Device};
 use accel_bigmodel::offload::OFFLOAD_INDEX_NAME;
 use accel_bigmodel::{
     infer_auto_device_map, is_placeholder, offload_state_dict, CheckpointSource, DeviceMap,
-    Error as BmError, OffloadedWeightsLoader, Placement, PlanOptions, WeightSource,
+    Error as BmError, OffloadedWeightsLoader, Placement, PlanOptions, StagingPool, WeightSource,
 };
 
 use crate::block::{AnyBlock, Model};
@@ -132,6 +132,9 @@ pub fn dispatch_model(
     };
     // Resolve every device before attaching anything, so a bad map changes nothing.
     let mut hooks = Vec::new();
+    // One pool for the model: consecutive offloaded blocks of one shape
+    // read into the same buffers.
+    let staging = Arc::new(StagingPool::new());
     for (part, (name, placement)) in model.blocks().into_iter().zip(&placements) {
         let hook = match placement {
             Placement::Gpu(i) => AlignDevicesHook::new(cuda_device(name, *i)?),
@@ -144,7 +147,7 @@ pub fn dispatch_model(
             (None, Some(map)) => hook.with_weights_map(map.clone()),
             _ => hook,
         };
-        hooks.push(hook);
+        hooks.push(hook.with_staging(staging.clone()));
     }
     for (part, hook) in model.blocks().into_iter().zip(hooks) {
         add_hook_to_module(part, Box::new(hook), false)?;

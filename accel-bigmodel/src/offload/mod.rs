@@ -4,6 +4,8 @@
 //! live in accel-nn, beside the blocks they act on.
 
 mod disk;
+mod read;
+mod staging;
 
 use std::collections::BTreeMap;
 
@@ -13,6 +15,7 @@ pub use disk::{
     dtype_from_numpy, numpy_dtype_name, offload_state_dict, offload_weight, save_offload_index,
     OffloadEntry, OffloadedWeightsLoader, OFFLOAD_INDEX_NAME,
 };
+pub use staging::{StagingPool, StagingStats};
 
 use crate::checkpoint::CheckpointSource;
 use crate::error::{Error, Result};
@@ -32,6 +35,24 @@ pub trait WeightSource: Send + Sync {
     /// [`Error::MissingOffloadedWeight`] (or the source's own missing-tensor
     /// error) naming the tensor, I/O and device errors.
     fn load(&self, name: &str, device: &Device) -> Result<Tensor>;
+
+    /// Writes `name` over all of `dst`, a contiguous CPU tensor of its shape
+    /// in the dtype the caller wants, bitwise as [`WeightSource::load`]
+    /// followed by a conversion to that dtype would give it; `scratch` lends
+    /// a buffer of the stored dtype when a conversion is needed.
+    ///
+    /// What offload hooks call with a recycled [`StagingPool`] buffer, so a
+    /// source that reads bytes (a disk folder, checkpoint shards) copies into
+    /// memory already faulted in instead of a fresh allocation per forward.
+    /// `Ok(false)` (the default) means the source hands out tensors it holds,
+    /// or cannot fill this dtype: the caller uses `load`, and `dst` is untouched.
+    ///
+    /// # Errors
+    /// As [`WeightSource::load`].
+    fn load_into(&self, name: &str, dst: &Tensor, scratch: &StagingPool) -> Result<bool> {
+        let _ = (name, dst, scratch);
+        Ok(false)
+    }
 }
 
 /// Weights kept in host memory (the `weights_map` of Accelerate's `cpu_offload`).
