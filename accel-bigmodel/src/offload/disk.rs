@@ -331,32 +331,45 @@ impl WeightSource for OffloadedWeightsLoader {
         Ok(t.to_device(device)?)
     }
 
-    fn load_into(&self, name: &str, dst: &Tensor, scratch: &StagingPool) -> Result<bool> {
+    fn load_staged(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        pool: &StagingPool,
+    ) -> Result<Option<Tensor>> {
         if self.state_dict.contains_key(name) {
-            return Ok(false);
+            return Ok(None);
         }
         let at = self.stored_at(name)?;
-        let same_size = at.shape.iter().product::<usize>().max(1) == dst.elem_count();
-        if !same_size || !dst.device().is_cpu() || !dst.is_contiguous() {
-            return Ok(false);
+        let count = |s: &[usize]| s.iter().product::<usize>().max(1);
+        if count(&at.shape) != count(shape) {
+            return Ok(None);
         }
-        if at.stored == dst.dtype() && at.dtype == at.stored {
-            return read_into(&at.path, at.offset, dst);
+        if at.stored == dtype && at.dtype == at.stored {
+            let dst = pool.take(shape, dtype)?;
+            if read_into(&at.path, at.offset, &dst)? {
+                return Ok(Some(dst));
+            }
+            pool.give_back(vec![dst]);
+            return Ok(None);
         }
-        // One conversion, stored -> dst, as `load` then `convert` would do it.
-        let one_cast = at.dtype == at.stored || at.dtype == dst.dtype();
+        // One conversion, stored -> dtype, as `load` then `convert` would do it.
+        let one_cast = at.dtype == at.stored || at.dtype == dtype;
         let casts = |d: DType| matches!(d, DType::F32 | DType::BF16 | DType::F16);
-        if !one_cast || !casts(at.stored) || !casts(dst.dtype()) {
-            return Ok(false);
+        if !one_cast || !casts(at.stored) || !casts(dtype) {
+            return Ok(None);
         }
-        let raw = scratch.take(dst.dims(), at.stored)?;
+        let raw = pool.take(shape, at.stored)?;
         if !read_into(&at.path, at.offset, &raw)? {
-            return Ok(false);
+            pool.give_back(vec![raw]);
+            return Ok(None);
         }
-        accel_kernels::cast_into(std::slice::from_ref(&raw), std::slice::from_ref(dst))?;
+        let dst = pool.take(shape, dtype)?;
+        accel_kernels::cast_into(std::slice::from_ref(&raw), std::slice::from_ref(&dst))?;
         // `raw` was only read from by the cast: nothing else holds it.
-        scratch.give_back(vec![raw]);
-        Ok(true)
+        pool.give_back(vec![raw]);
+        Ok(Some(dst))
     }
 }
 

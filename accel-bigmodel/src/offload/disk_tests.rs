@@ -72,7 +72,7 @@ fn bits32(t: &Tensor) -> Vec<u32> {
 }
 
 #[test]
-fn load_into_a_pool_buffer_equals_load_then_convert_for_dat_and_shard_entries() {
+fn load_staged_equals_load_then_convert_for_dat_and_shard_entries() {
     let dir = tempfile::tempdir().unwrap();
     let base = (Tensor::arange(0f32, 12., &Device::Cpu).unwrap() * 0.371).unwrap();
     let base = base.reshape((3, 4)).unwrap();
@@ -94,8 +94,8 @@ fn load_into_a_pool_buffer_equals_load_then_convert_for_dat_and_shard_entries() 
                 let want =
                     crate::checkpoint::convert(loader.load(name, &Device::Cpu).unwrap(), dtype)
                         .unwrap();
-                let dst = pool.take(&[3, 4], dtype).unwrap();
-                assert!(loader.load_into(name, &dst, &pool).unwrap());
+                let dst = loader.load_staged(name, &[3, 4], dtype, &pool).unwrap();
+                let dst = dst.expect("read into a pool buffer");
                 assert_eq!(bits32(&dst), bits32(&want), "{name} as {dtype:?}");
                 pool.give_back(vec![dst]);
             }
@@ -104,9 +104,13 @@ fn load_into_a_pool_buffer_equals_load_then_convert_for_dat_and_shard_entries() 
     // An in-memory tensor is handed out as it is: nothing to read into.
     let memory = OffloadedWeightsLoader::default()
         .with_state_dict([("m".to_string(), base.clone())].into_iter().collect());
-    let dst = pool.take(&[3, 4], DType::F32).unwrap();
-    assert!(!memory.load_into("m", &dst, &pool).unwrap());
-    // A buffer of the wrong size is refused rather than half filled.
-    let small = pool.take(&[2, 4], DType::F32).unwrap();
-    assert!(!folder.load_into("w32", &small, &pool).unwrap());
+    let staged = memory.load_staged("m", &[3, 4], DType::F32, &pool).unwrap();
+    assert!(staged.is_none());
+    // A shape of another size is refused rather than half filled.
+    let staged = folder
+        .load_staged("w32", &[2, 4], DType::F32, &pool)
+        .unwrap();
+    assert!(staged.is_none());
+    // After the first reads, the pool's buffers came back round.
+    assert!(pool.stats().reused > 0, "{:?}", pool.stats());
 }

@@ -9,7 +9,7 @@ mod staging;
 
 use std::collections::BTreeMap;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 pub use disk::{
     dtype_from_numpy, numpy_dtype_name, offload_state_dict, offload_weight, save_offload_index,
@@ -36,22 +36,27 @@ pub trait WeightSource: Send + Sync {
     /// error) naming the tensor, I/O and device errors.
     fn load(&self, name: &str, device: &Device) -> Result<Tensor>;
 
-    /// Writes `name` over all of `dst`, a contiguous CPU tensor of its shape
-    /// in the dtype the caller wants, bitwise as [`WeightSource::load`]
-    /// followed by a conversion to that dtype would give it; `scratch` lends
-    /// a buffer of the stored dtype when a conversion is needed.
+    /// `name` read into a buffer taken from `pool`, of `shape` and `dtype`,
+    /// bitwise as [`WeightSource::load`] followed by a conversion to `dtype`
+    /// would give it.
     ///
-    /// What offload hooks call with a recycled [`StagingPool`] buffer, so a
-    /// source that reads bytes (a disk folder, checkpoint shards) copies into
-    /// memory already faulted in instead of a fresh allocation per forward.
-    /// `Ok(false)` (the default) means the source hands out tensors it holds,
-    /// or cannot fill this dtype: the caller uses `load`, and `dst` is untouched.
+    /// What offload hooks call every forward: a source that reads bytes (a
+    /// disk folder, checkpoint shards) copies into recycled memory that is
+    /// already faulted in instead of a fresh allocation. `Ok(None)` (the
+    /// default) means the source hands out tensors it holds, or cannot read
+    /// this one that way: the caller uses `load`.
     ///
     /// # Errors
     /// As [`WeightSource::load`].
-    fn load_into(&self, name: &str, dst: &Tensor, scratch: &StagingPool) -> Result<bool> {
-        let _ = (name, dst, scratch);
-        Ok(false)
+    fn load_staged(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        pool: &StagingPool,
+    ) -> Result<Option<Tensor>> {
+        let _ = (name, shape, dtype, pool);
+        Ok(None)
     }
 }
 

@@ -163,31 +163,27 @@ impl AlignDevicesHook {
             }
             return Ok(());
         };
-        let bufs = todo
-            .iter()
-            .map(|(_, like)| pool.take(like.dims(), like.dtype()))
-            .collect::<accel_bigmodel::Result<Vec<_>>>()?;
         // The reads are copies out of the page cache (and, for the first
         // block, page faults): two threads do them about twice as fast.
-        let filled = todo
+        let staged = todo
             .par_iter()
-            .zip(&bufs)
-            .map(|((name, _), buf)| map.load_into(name, buf, &pool))
-            .collect::<accel_bigmodel::Result<Vec<bool>>>()?;
-        for (((name, like), buf), filled) in todo.iter().zip(bufs).zip(filled) {
-            let placed = if !filled {
-                pool.give_back(vec![buf]);
-                self.materialise(name, like)?
-            } else if self.execution_device.is_cpu() {
-                self.lent.push((name.clone(), buf.clone()));
-                buf
-            } else {
-                // The device copy is complete once `to_device` returns
-                // (pageable host memory is staged synchronously), so the
-                // buffer is free again.
-                let placed = buf.to_device(&self.execution_device)?;
-                pool.give_back(vec![buf]);
-                placed
+            .map(|(name, like)| map.load_staged(name, like.dims(), like.dtype(), &pool))
+            .collect::<accel_bigmodel::Result<Vec<_>>>()?;
+        for ((name, like), staged) in todo.iter().zip(staged) {
+            let placed = match staged {
+                None => self.materialise(name, like)?,
+                Some(buf) if self.execution_device.is_cpu() => {
+                    self.lent.push((name.clone(), buf.clone()));
+                    buf
+                }
+                Some(buf) => {
+                    // The device copy is complete once `to_device` returns
+                    // (pageable host memory is staged synchronously), so the
+                    // buffer is free again.
+                    let placed = buf.to_device(&self.execution_device)?;
+                    pool.give_back(vec![buf]);
+                    placed
+                }
             };
             weights.set(name, placed)?;
         }

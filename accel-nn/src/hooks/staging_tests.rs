@@ -3,12 +3,12 @@
 
 use std::sync::{Arc, Mutex};
 
-use accel_bigmodel::{offload_state_dict, OffloadedWeightsLoader, StagingPool};
+use accel_bigmodel::{offload_state_dict, CpuWeights, OffloadedWeightsLoader, StagingPool};
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 
 use super::super::tests::{bits, block, input, Dyn, Layer};
-use super::super::{add_hook_to_module, cpu_offload, ModelHook, ModuleWeights};
+use super::super::{add_hook_to_module, ModelHook, ModuleWeights};
 use super::AlignDevicesHook;
 use crate::block::{Activations, Block, Model, Sequential};
 
@@ -167,11 +167,30 @@ fn weights_served_from_memory_are_lent_as_they_are_and_never_pooled() {
     let (model, plain) = same_shapes();
     let x = x8();
     let expected = plain.iter().fold(x.clone(), |h, l| l.forward(&h).unwrap());
-    // cpu_offload's map holds the model's own tensors: nothing to read into.
-    cpu_offload(&model, &Device::Cpu, None).unwrap();
+    // A map holding the model's own tensors (what cpu_offload builds).
+    let map = Arc::new(CpuWeights::new(model.named_tensors()).unwrap());
+    let keys: Vec<usize> = map
+        .tensors()
+        .values()
+        .map(|t| accel_kernels::storage_key(t).unwrap())
+        .collect();
+    let pool = Arc::new(StagingPool::new());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    for part in &model.blocks {
+        let hook = AlignDevicesHook::new(Device::Cpu)
+            .with_offload(true)
+            .with_weights_map(map.clone())
+            .with_staging(pool.clone());
+        add_hook_to_module(part, Box::new(hook), false).unwrap();
+        let probe = Probe { seen: seen.clone() };
+        add_hook_to_module(part, Box::new(probe), true).unwrap();
+    }
     for _ in 0..2 {
         assert_eq!(bits(&model.forward_hidden(&x).unwrap()), bits(&expected));
     }
+    // The forward ran on the map's own storage, and the pool was never asked.
+    assert!(seen.lock().unwrap().iter().all(|(_, k)| keys.contains(k)));
+    assert_eq!(pool.stats(), Default::default());
     let again = plain.iter().fold(x.clone(), |h, l| l.forward(&h).unwrap());
     assert_eq!(
         bits(&again),
