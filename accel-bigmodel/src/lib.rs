@@ -65,7 +65,9 @@ pub use memory::{
     convert_file_size_to_int, get_balanced_memory, get_max_memory, parse_max_memory_json,
     MaxMemory, MemorySize,
 };
-pub use offload::{offload_state_dict, CpuWeights, OffloadedWeightsLoader, WeightSource};
+pub use offload::{
+    offload_state_dict, CpuWeights, OffloadedWeightsLoader, StagingPool, StagingStats, WeightSource,
+};
 pub use planner::{infer_auto_device_map, Plan, PlanOptions};
 pub use safetensors::{
     MmapFile, SafetensorsHeader, WeightIndex, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,

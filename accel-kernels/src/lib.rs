@@ -47,7 +47,7 @@ pub use multi_tensor::{
     sum_of_squares, unscale_and_check,
 };
 pub use optim::{adamw_step, sgd_step};
-pub use slices::{with_slice, with_slice_mut};
+pub use slices::{storage_key, with_slice, with_slice_mut};
 
 #[cfg(test)]
 mod tests;

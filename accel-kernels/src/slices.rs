@@ -176,8 +176,10 @@ pub(crate) enum FloatSlice<'a> {
 
 /// An address identifying the storage allocation of a CPU or CUDA tensor;
 /// `None` for an empty allocation, which has no address and cannot
-/// conflict, and for other devices.
-pub(crate) fn storage_key(t: &Tensor) -> Option<usize> {
+/// conflict, and for other devices. Two tensors with the same key share
+/// storage (clones and views of one another): what aliasing checks and
+/// buffer recycling compare, since candle exposes no reference count.
+pub fn storage_key(t: &Tensor) -> Option<usize> {
     let (guard, _) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*guard else {
         return crate::cuda::storage_key(&guard);

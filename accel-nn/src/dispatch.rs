@@ -5,11 +5,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
+use rayon::prelude::*;
 
 use accel_bigmodel::offload::OFFLOAD_INDEX_NAME;
 use accel_bigmodel::{
     infer_auto_device_map, is_placeholder, offload_state_dict, CheckpointSource, DeviceMap,
-    Error as BmError, OffloadedWeightsLoader, Placement, PlanOptions, WeightSource,
+    Error as BmError, OffloadedWeightsLoader, Placement, PlanOptions, StagingPool, WeightSource,
 };
 
 use crate::block::{AnyBlock, Model};
@@ -132,6 +133,9 @@ pub fn dispatch_model(
     };
     // Resolve every device before attaching anything, so a bad map changes nothing.
     let mut hooks = Vec::new();
+    // One pool for the model: consecutive offloaded blocks of one shape
+    // read into the same buffers.
+    let staging = Arc::new(StagingPool::new());
     for (part, (name, placement)) in model.blocks().into_iter().zip(&placements) {
         let hook = match placement {
             Placement::Gpu(i) => AlignDevicesHook::new(cuda_device(name, *i)?),
@@ -144,7 +148,7 @@ pub fn dispatch_model(
             (None, Some(map)) => hook.with_weights_map(map.clone()),
             _ => hook,
         };
-        hooks.push(hook);
+        hooks.push(hook.with_staging(staging.clone()));
     }
     for (part, hook) in model.blocks().into_iter().zip(hooks) {
         add_hook_to_module(part, Box::new(hook), false)?;
@@ -256,23 +260,43 @@ pub fn load_checkpoint_and_dispatch(
         &source, names, None,
     )?);
     drop(source);
+    // Every resident weight is read first, in parallel: each read lands in
+    // fresh memory whose pages the kernel faults in and zero-fills, per core
+    // (that, not the copy, is most of a load), so two threads halve it.
+    let mut reads = Vec::new();
     for (part, (name, placement)) in model.blocks().into_iter().zip(&placements) {
         let device = match placement {
             Placement::Gpu(i) => cuda_device(name, *i)?,
             _ => Device::Cpu,
         };
-        let weights = part.weights();
-        for (n, t) in weights.tensors() {
+        for (n, t) in part.weights().tensors() {
             let dtype = opts
                 .dtype
                 .filter(|_| t.dtype().is_float())
                 .unwrap_or(t.dtype());
             let value = match placement {
-                Placement::Disk => accel_bigmodel::placeholder(t.shape().clone(), dtype, &device)?,
-                _ => accel_bigmodel::checkpoint::convert(loader.load(&n, &device)?, dtype)?,
+                Placement::Disk => Some(accel_bigmodel::placeholder(
+                    t.shape().clone(),
+                    dtype,
+                    &device,
+                )?),
+                _ => None,
             };
-            weights.set(&n, value)?;
+            reads.push((part.weights(), n, device.clone(), dtype, value));
         }
+    }
+    let values = reads
+        .par_iter()
+        .map(|(_, n, device, dtype, value)| match value {
+            Some(placeholder) => Ok(placeholder.clone()),
+            None => Ok(accel_bigmodel::checkpoint::convert(
+                loader.load(n, device)?,
+                *dtype,
+            )?),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for ((weights, n, ..), value) in reads.iter().zip(values) {
+        weights.set(n, value)?;
     }
     let dispatch = DispatchOptions {
         main_device: opts.main_device.clone(),

@@ -212,8 +212,14 @@ fn fsdp_training_ends_with_the_ddp_weights_at_two_and_three_ranks() {
         for (k, v) in variants.iter().enumerate() {
             let got = train(&tmp.path().join(format!("fsdp{world}_{k}")), world, v);
             let w = worst(&ddp, &got);
+            // DDP all-reduces and FSDP reduce-scatters, so gradients differ
+            // in their last bits, and AdamW (lr 1e-2) turns last bits of
+            // near-zero gradients into weight differences: 4e-6 at 2 ranks and
+            // 1.1e-5 at 3 with accel-nn's few-rows linear kernel (3.9e-6 with
+            // gemm); the kernel's summation order alone moves DDP's own
+            // weights by 3.2e-5. A real divergence is orders larger.
             assert!(
-                w < 1e-5,
+                w < 2e-5,
                 "{world} ranks {v:?}: largest weight difference {w}"
             );
         }

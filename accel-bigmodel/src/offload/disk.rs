@@ -5,14 +5,14 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, WithDType};
 use half::{bf16, f16};
 use serde::{Deserialize, Serialize};
 
-use super::WeightSource;
+use super::read::{read_into, read_tensor};
+use super::{StagingPool, WeightSource};
 use crate::checkpoint::CheckpointSource;
 use crate::error::{Error, Result};
 
@@ -184,44 +184,6 @@ pub fn offload_state_dict<'a>(
     save_offload_index(&index, folder)
 }
 
-/// Reads `bytes` bytes at `offset` of `path` as a `dtype` tensor of `shape`.
-///
-/// A positioned read into a fresh buffer rather than a memory map: mapped
-/// pages stay counted in the process's resident set after use, so a forward
-/// over a disk-offloaded model would end with the whole model resident;
-/// the buffer read here is freed as soon as the hook releases the weight.
-fn read_tensor(path: &Path, offset: u64, dtype: DType, shape: &[usize]) -> Result<Tensor> {
-    fn typed<T: WithDType + bytemuck::Pod>(
-        file: &File,
-        offset: u64,
-        shape: &[usize],
-    ) -> std::io::Result<candle_core::Result<Tensor>> {
-        let n = shape.iter().product::<usize>().max(1);
-        let mut v = vec![T::zeroed(); n];
-        file.read_exact_at(bytemuck::cast_slice_mut(&mut v), offset)?;
-        Ok(Tensor::from_vec(v, n, &Device::Cpu).and_then(|t| t.reshape(shape)))
-    }
-    let file = File::open(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::MissingFile {
-            path: path.to_path_buf(),
-            what: "offloaded weight".to_string(),
-        },
-        _ => Error::io("opening", path, e),
-    })?;
-    let t = match dtype {
-        DType::F32 => typed::<f32>(&file, offset, shape),
-        DType::F64 => typed::<f64>(&file, offset, shape),
-        DType::F16 => typed::<f16>(&file, offset, shape),
-        DType::BF16 => typed::<bf16>(&file, offset, shape),
-        DType::I64 => typed::<i64>(&file, offset, shape),
-        DType::I32 => typed::<i32>(&file, offset, shape),
-        DType::I16 => typed::<i16>(&file, offset, shape),
-        DType::U32 => typed::<u32>(&file, offset, shape),
-        _ => typed::<u8>(&file, offset, shape),
-    };
-    Ok(t.map_err(|e| Error::io("reading", path, e))??)
-}
-
 /// Weights served from memory, an offload folder or safetensors shards
 /// (Accelerate's `OffloadedWeightsLoader`); in-memory tensors win.
 #[derive(Debug, Default)]
@@ -360,32 +322,104 @@ impl WeightSource for OffloadedWeightsLoader {
         if let Some(t) = self.state_dict.get(name) {
             return Ok(t.to_device(device)?);
         }
+        let at = self.stored_at(name)?;
+        let t = read_tensor(&at.path, at.offset, at.stored, &at.shape)?;
+        let t = match at.dtype == at.stored {
+            true => t,
+            false => crate::checkpoint::convert(t, at.dtype)?,
+        };
+        Ok(t.to_device(device)?)
+    }
+
+    fn load_staged(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        pool: &StagingPool,
+    ) -> Result<Option<Tensor>> {
+        if self.state_dict.contains_key(name) {
+            return Ok(None);
+        }
+        let at = self.stored_at(name)?;
+        let count = |s: &[usize]| s.iter().product::<usize>().max(1);
+        if count(&at.shape) != count(shape) {
+            return Ok(None);
+        }
+        if at.stored == dtype && at.dtype == at.stored {
+            let dst = pool.take(shape, dtype)?;
+            if read_into(&at.path, at.offset, &dst)? {
+                return Ok(Some(dst));
+            }
+            pool.give_back(vec![dst]);
+            return Ok(None);
+        }
+        // One conversion, stored -> dtype, as `load` then `convert` would do it.
+        let one_cast = at.dtype == at.stored || at.dtype == dtype;
+        let casts = |d: DType| matches!(d, DType::F32 | DType::BF16 | DType::F16);
+        if !one_cast || !casts(at.stored) || !casts(dtype) {
+            return Ok(None);
+        }
+        let raw = pool.take(shape, at.stored)?;
+        if !read_into(&at.path, at.offset, &raw)? {
+            pool.give_back(vec![raw]);
+            return Ok(None);
+        }
+        let dst = pool.take(shape, dtype)?;
+        accel_kernels::cast_into(std::slice::from_ref(&raw), std::slice::from_ref(&dst))?;
+        // `raw` was only read from by the cast: nothing else holds it.
+        pool.give_back(vec![raw]);
+        Ok(Some(dst))
+    }
+}
+
+/// Where the bytes of one offloaded weight are and what they become.
+struct StoredAt {
+    path: PathBuf,
+    offset: u64,
+    /// The dtype of the bytes.
+    stored: DType,
+    shape: Vec<usize>,
+    /// The dtype `load` returns (the index's conversion target, if any).
+    dtype: DType,
+}
+
+impl OffloadedWeightsLoader {
+    fn stored_at(&self, name: &str) -> Result<StoredAt> {
         let Some(entry) = self.index.get(name) else {
             return Err(Error::MissingOffloadedWeight {
                 name: name.to_string(),
                 source_desc: self.describe_folder(),
             });
         };
+        let named = |d: &str| {
+            dtype_from_numpy(d).ok_or_else(|| self.bad(name, format!("unknown dtype {d:?}")))
+        };
         if let Some((file, offset, stored, shape)) = self.located.get(name) {
-            let t = read_tensor(file, *offset, *stored, shape)?;
-            let t = match entry.dtype.as_deref() {
-                None => t,
-                Some(d) => {
-                    let dtype = dtype_from_numpy(d)
-                        .ok_or_else(|| self.bad(name, format!("unknown dtype {d:?}")))?;
-                    crate::checkpoint::convert(t, dtype)?
-                }
+            let dtype = match entry.dtype.as_deref() {
+                None => *stored,
+                Some(d) => named(d)?,
             };
-            return Ok(t.to_device(device)?);
+            return Ok(StoredAt {
+                path: file.clone(),
+                offset: *offset,
+                stored: *stored,
+                shape: shape.clone(),
+                dtype,
+            });
         }
         let (Some(d), Some(shape)) = (entry.dtype.as_deref(), entry.shape.as_ref()) else {
             return Err(self.bad(name, "a .dat entry needs `dtype` and `shape`".into()));
         };
-        let dtype =
-            dtype_from_numpy(d).ok_or_else(|| self.bad(name, format!("unknown dtype {d:?}")))?;
+        let dtype = named(d)?;
         let folder = self.folder.clone().unwrap_or_default();
-        let t = read_tensor(&folder.join(format!("{name}.dat")), 0, dtype, shape)?;
-        Ok(t.to_device(device)?)
+        Ok(StoredAt {
+            path: folder.join(format!("{name}.dat")),
+            offset: 0,
+            stored: dtype,
+            shape: shape.clone(),
+            dtype,
+        })
     }
 }
 

@@ -4,15 +4,18 @@
 //! live in accel-nn, beside the blocks they act on.
 
 mod disk;
+mod read;
+mod staging;
 
 use std::collections::BTreeMap;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 pub use disk::{
     dtype_from_numpy, numpy_dtype_name, offload_state_dict, offload_weight, save_offload_index,
     OffloadEntry, OffloadedWeightsLoader, OFFLOAD_INDEX_NAME,
 };
+pub use staging::{StagingPool, StagingStats};
 
 use crate::checkpoint::CheckpointSource;
 use crate::error::{Error, Result};
@@ -32,6 +35,29 @@ pub trait WeightSource: Send + Sync {
     /// [`Error::MissingOffloadedWeight`] (or the source's own missing-tensor
     /// error) naming the tensor, I/O and device errors.
     fn load(&self, name: &str, device: &Device) -> Result<Tensor>;
+
+    /// `name` read into a buffer taken from `pool`, of `shape` and `dtype`,
+    /// bitwise as [`WeightSource::load`] followed by a conversion to `dtype`
+    /// would give it.
+    ///
+    /// What offload hooks call every forward: a source that reads bytes (a
+    /// disk folder, checkpoint shards) copies into recycled memory that is
+    /// already faulted in instead of a fresh allocation. `Ok(None)` (the
+    /// default) means the source hands out tensors it holds, or cannot read
+    /// this one that way: the caller uses `load`.
+    ///
+    /// # Errors
+    /// As [`WeightSource::load`].
+    fn load_staged(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        pool: &StagingPool,
+    ) -> Result<Option<Tensor>> {
+        let _ = (name, shape, dtype, pool);
+        Ok(None)
+    }
 }
 
 /// Weights kept in host memory (the `weights_map` of Accelerate's `cpu_offload`).

@@ -11,7 +11,7 @@ use accel_bigmodel::CpuWeights;
 pub(crate) type Dyn = Box<dyn Module + Send + Sync>;
 
 /// A linear layer followed by GELU: a real candle layer built from a `VarBuilder`.
-pub(crate) struct Layer(Linear);
+pub(crate) struct Layer(pub(crate) Linear);
 
 impl Module for Layer {
     fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {

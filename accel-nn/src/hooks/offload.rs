@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use accel_bigmodel::offload::OFFLOAD_INDEX_NAME;
 use accel_bigmodel::{
-    offload_state_dict, CpuWeights, Error as BigModelError, OffloadedWeightsLoader, WeightSource,
+    offload_state_dict, CpuWeights, Error as BigModelError, OffloadedWeightsLoader, StagingPool,
+    WeightSource,
 };
 use candle_core::{Device, Tensor};
 
@@ -24,10 +25,14 @@ fn attach_offload(
     execution_device: &Device,
     map: Arc<dyn WeightSource>,
 ) -> Result<()> {
+    // One pool for the model: consecutive blocks of one shape read into
+    // the same buffers.
+    let staging = Arc::new(StagingPool::new());
     for part in model.blocks() {
         let hook = AlignDevicesHook::new(execution_device.clone())
             .with_offload(true)
-            .with_weights_map(map.clone());
+            .with_weights_map(map.clone())
+            .with_staging(staging.clone());
         add_hook_to_module(part, Box::new(hook), true)?;
     }
     Ok(())

@@ -15,6 +15,7 @@ use rayon::prelude::*;
 pub(crate) use super::act::Act;
 use super::act::{backward_par, forward_par};
 use super::raw::{gemm, gemm_new, MatRef};
+use super::skinny;
 use super::{as_f32, from_f32, tensor_from_f32, with_f32};
 
 /// The op; it keeps the pre-activation for the backward pass of smooth
@@ -55,6 +56,19 @@ impl LinearOp {
         let ws = as_f32(w.0, w.1)?;
         let (x_rows, w_t) = (MatRef::rows(&xs, 0, inp), MatRef::rows_t(&ws, 0, inp));
         let mut y = match b {
+            // Few rows (inference): dot products on `w` as it lies, see `skinny`.
+            _ if n <= skinny::MAX_ROWS => {
+                let mut y = skinny::x_wt(&xs, &ws, n, inp, out);
+                if let Some(b) = b {
+                    let bs = as_f32(b.0, b.1)?;
+                    if bs.len() != out {
+                        bail!("linear: bias has {} entries, expected {out}", bs.len())
+                    }
+                    y.par_chunks_mut(out.max(1))
+                        .for_each(|row| row.iter_mut().zip(bs.iter()).for_each(|(v, b)| *v += b));
+                }
+                y
+            }
             Some(b) => {
                 // Start every row from the bias and let gemm accumulate onto
                 // it, which fuses the bias add into the product.

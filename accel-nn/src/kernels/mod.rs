@@ -32,6 +32,7 @@ mod loss;
 mod math;
 mod norm;
 mod rope;
+mod skinny;
 mod softmax;
 
 pub(crate) use act::{pointwise, swiglu};
