@@ -140,3 +140,18 @@ pub fn result_weights(path: &std::path::Path) -> Vec<(String, Vec<f32>)> {
         })
         .collect()
 }
+
+/// The transformers-written checkpoint fixture `name` (`tests/fixtures/hf/NAME`).
+pub fn hf_fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/hf")
+        .join(name)
+}
+
+/// The fixture's `reference.json`: transformers' outputs for fixed inputs.
+pub fn hf_reference(name: &str) -> serde_json::Value {
+    let path = hf_fixture(name).join("reference.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}

@@ -12,16 +12,7 @@ use serde_json::Value;
 const WORKER: &str = env!("CARGO_BIN_EXE_finetune_hf_worker");
 const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/hf")
-        .join(name)
-}
-
-fn reference(name: &str) -> Value {
-    let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
+use accel_tests::{hf_fixture as fixture, hf_reference as reference};
 
 /// Runs `cmd` to completion within 120 s with `ACCELERATE_MIXED_PRECISION`
 /// set to `precision` (a launcher's), else unset; returns (success, stdout, stderr).

@@ -5,7 +5,7 @@
 //! from a `--device-map` file; greedy tokens equal transformers'; bad input
 //! exits non-zero naming the flag or the file.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use accel_core::bigmodel::DeviceMap;
@@ -17,16 +17,7 @@ const DECODERS: [&str; 5] = ["llama", "llama3", "mistral", "qwen2", "gpt2"];
 const ALL: [&str; 6] = ["llama", "llama3", "mistral", "qwen2", "gpt2", "bert"];
 const TOL: f32 = 1e-4;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures/hf")
-        .join(name)
-}
-
-fn reference(name: &str) -> Value {
-    let text = std::fs::read_to_string(fixture(name).join("reference.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
+use accel_tests::{hf_fixture as fixture, hf_reference as reference};
 
 fn ids(v: &Value) -> String {
     let ids: Vec<u32> = serde_json::from_value(v.clone()).unwrap();
