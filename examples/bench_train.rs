@@ -89,6 +89,10 @@ fn main() -> Result<()> {
         other => anyhow::bail!("--device {other:?}: expected cpu or cuda"),
     };
     let _ = DEVICE.set(dev);
+    // The Accelerator row would tune glibc's malloc when it is built (see
+    // accel_dist::malloc); doing it first gives every row, candle_nn and
+    // accel_nn included, the same allocator settings.
+    let malloc = accel_core::dist::malloc::tune_for_training();
     let env = std::env::var(accel_core::config::ENV_MIXED_PRECISION).ok();
     args.mixed_precision = Some(accel_core::config::resolve_precision(
         args.mixed_precision,
@@ -121,6 +125,7 @@ fn main() -> Result<()> {
     if let Some(t) = &torch {
         out.insert("torch_version".into(), t["torch_version"].clone());
     }
+    out.insert("malloc_tuning".into(), format!("{malloc:?}").into());
     out.insert("threads".into(), rayon_threads().into());
     out.insert(
         "candle_num_threads".into(),

@@ -107,6 +107,21 @@ impl Accelerator {
             let cpus = accel_dist::affinity::set_numa_affinity(state.local_rank, local_world)?;
             tracing::info!(local_rank = state.local_rank, ?cpus, "pinned to CPUs");
         }
+        // A training step frees and reallocates the same large buffers; with
+        // glibc's defaults each step faults them in again (see accel_dist::malloc).
+        match accel_dist::malloc::tune_for_training() {
+            accel_dist::malloc::MallocTuning::Applied => tracing::info!(
+                "glibc malloc kept for reuse: M_MMAP_THRESHOLD 32 MiB, M_TRIM_THRESHOLD 1 GiB \
+                 (set ACCEL_MALLOC_TUNING=0 to keep glibc's defaults)"
+            ),
+            accel_dist::malloc::MallocTuning::Refused(what) => {
+                tracing::warn!(
+                    setting = what,
+                    "glibc refused a malloc setting; defaults kept"
+                )
+            }
+            _ => {}
+        }
         let mut pg_config = ProcessGroupConfig::from_env()?;
         if let Some(kwargs) = &config.init_kwargs {
             pg_config = pg_config.with_kwargs(kwargs);

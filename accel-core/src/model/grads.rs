@@ -13,17 +13,27 @@ impl PreparedModel {
     /// Adds already reduced gradient pieces of parameters `ids` to the accumulators.
     pub(crate) fn accumulate_pieces(&self, ids: &[usize], pieces: &[Tensor]) -> Result<()> {
         let mut g = self.lock();
-        deposit(&mut g, ids.iter().copied().zip(pieces.iter().cloned()))
+        // Pieces may be views into one reduced buffer: copied, never adopted.
+        deposit(
+            &mut g,
+            ids.iter().copied().zip(pieces.iter().cloned()),
+            false,
+        )
     }
 
     /// Adds the gradients of this model's variables found in `store` to the
     /// accumulators (the first backward after `zero_grad` copies instead).
+    ///
+    /// `store` must be dropped by the caller right after (the Accelerator's
+    /// `backward` does): a first fp32 gradient is adopted as the accumulator
+    /// itself, not copied, since candle builds every gradient of a variable
+    /// as a fresh tensor (`zeros + grad`) that nothing else holds.
     pub(crate) fn accumulate(&self, store: &GradStore) -> Result<()> {
         let mut g = self.lock();
         let found: Vec<(usize, Tensor)> = (0..g.names.len())
             .filter_map(|i| Some((i, store.get(g.model_vars[i].as_tensor())?.clone())))
             .collect();
-        deposit(&mut g, found)
+        deposit(&mut g, found, true)
     }
 
     /// Averages the gradients over all ranks (DDP). Every parameter takes
@@ -119,20 +129,36 @@ impl PreparedModel {
 }
 
 /// Adds each `(id, gradient)` to the fp32 accumulator of parameter `id`
-/// (copies instead for the first gradient since `zero_grad`).
-fn deposit(g: &mut ModelInner, grads: impl IntoIterator<Item = (usize, Tensor)>) -> Result<()> {
+/// (copies instead for the first gradient since `zero_grad`; with `adopt`, a
+/// contiguous fp32 first gradient becomes the accumulator without a copy).
+fn deposit(
+    g: &mut ModelInner,
+    grads: impl IntoIterator<Item = (usize, Tensor)>,
+    adopt: bool,
+) -> Result<()> {
     let (mut copy_dst, mut copy_src, mut add_dst, mut add_src) = (vec![], vec![], vec![], vec![]);
     for (i, grad) in grads {
+        // Gradients from candle may be strided views; the kernels need contiguous input.
+        let grad = grad.contiguous()?;
+        let master = g.masters[i].as_tensor();
+        if !g.has_grad[i]
+            && adopt
+            && grad.dtype() == DType::F32
+            && grad.shape() == master.shape()
+            && grad.device().same_device(master.device())
+        {
+            g.grads[i] = Some(grad);
+            g.has_grad[i] = true;
+            continue;
+        }
         let acc = match &g.grads[i] {
             Some(t) => t.clone(),
             None => {
-                let t = g.masters[i].as_tensor().zeros_like()?;
+                let t = master.zeros_like()?;
                 g.grads[i] = Some(t.clone());
                 t
             }
         };
-        // Gradients from candle may be strided views; the kernels need contiguous input.
-        let grad = grad.contiguous()?;
         if g.has_grad[i] {
             add_dst.push(acc);
             add_src.push(grad);
