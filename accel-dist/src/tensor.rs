@@ -66,10 +66,19 @@ fn staged(t: &Tensor) -> Result<Option<Tensor>> {
     })
 }
 
-/// Writes `host` (same shape and dtype) into `t`'s storage on its device.
-fn write_back(t: &Tensor, host: &Tensor) -> Result<()> {
-    let on_device = host.to_device(t.device())?.flatten_all()?;
-    t.flatten_all()?.slice_set(&on_device, 0, 0)?;
+/// Writes `value` (same element count; any device and dtype) into `dst`'s
+/// own storage, in place on `dst`'s device, through candle's write lock.
+pub(crate) fn write_into(op: &'static str, dst: &Tensor, value: &Tensor) -> Result<()> {
+    if !dst.is_contiguous() {
+        // Flattening would copy, and the write would land in the copy.
+        return Err(Error::RequiresContiguous { op });
+    }
+    let value = value
+        .to_device(dst.device())?
+        .to_dtype(dst.dtype())?
+        .flatten_all()?
+        .contiguous()?;
+    dst.flatten_all()?.slice_set(&value, 0, 0)?;
     Ok(())
 }
 
@@ -111,7 +120,7 @@ pub(crate) fn all_reduce_inplace<C: Communicator + ?Sized>(
     check(OP, t)?;
     if let Some(host) = staged(t)? {
         all_reduce_inplace(c, &host, op)?;
-        return write_back(t, &host);
+        return write_into(OP, t, &host);
     }
     with_dtype!(OP, t.dtype(), T => {
         accel_kernels::with_slice_mut::<T, _>(t, OP, |s| Ok(c.all_reduce(s.into(), op)))?

@@ -13,6 +13,7 @@ use candle_core::{DType, Tensor};
 use half::{bf16, f16};
 
 use super::CommHook;
+use crate::tensor::write_into;
 use crate::{BufferMut, Communicator, ReduceOp, Result};
 
 /// Parameters grouped into buckets of at most `cap` bytes, in reverse
@@ -27,19 +28,6 @@ pub struct GradBuckets {
 fn all_host_f32(ts: &[Tensor]) -> bool {
     ts.iter()
         .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous())
-}
-
-/// Writes `value` (same element count, any dtype) into `dst`'s storage.
-fn write_into(dst: &Tensor, value: &Tensor) -> Result<()> {
-    if !dst.is_contiguous() {
-        // Flattening would copy, and the write would land in the copy.
-        return Err(crate::Error::RequiresContiguous {
-            op: "ddp write back",
-        });
-    }
-    let value = value.to_dtype(dst.dtype())?.flatten_all()?.contiguous()?;
-    dst.flatten_all()?.slice_set(&value, 0, 0)?;
-    Ok(())
 }
 
 impl GradBuckets {
@@ -192,7 +180,7 @@ impl GradBuckets {
                 let mut offset = 0;
                 for &i in &idx {
                     let n = grads[i].elem_count();
-                    write_into(&grads[i], &reduced.narrow(0, offset, n)?)?;
+                    write_into("ddp all_reduce", &grads[i], &reduced.narrow(0, offset, n)?)?;
                     offset += n;
                 }
             }
@@ -212,7 +200,7 @@ pub fn broadcast_parameters(comm: &dyn Communicator, params: &[Tensor], root: us
     if !all_host_f32(params) {
         for p in params {
             let from_root = comm.broadcast_tensor(&p.contiguous()?, root)?;
-            write_into(p, &from_root)?;
+            write_into(OP, p, &from_root)?;
         }
         return Ok(());
     }
