@@ -48,6 +48,16 @@ pub struct LaunchArgs {
     /// Pin each local rank to its share of a NUMA node's CPUs.
     #[arg(long = "enable_cpu_affinity", visible_alias = "enable-cpu-affinity")]
     pub enable_cpu_affinity: bool,
+    /// CPU threads each rank computes with, exported as `OMP_NUM_THREADS` and
+    /// `RAYON_NUM_THREADS` (the pool accel-rs' kernels and candle's run on).
+    /// Default, as Accelerate: `OMP_NUM_THREADS` when set, else 1; on a CPU job
+    /// with `OMP_NUM_THREADS` unset, the physical cores divided among this
+    /// machine's ranks when that is more than 1.
+    #[arg(
+        long = "num_cpu_threads_per_process",
+        visible_alias = "num-cpu-threads-per-process"
+    )]
+    pub num_cpu_threads_per_process: Option<usize>,
     /// Seconds a collective waits for a missing rank before failing.
     #[arg(long)]
     pub timeout: Option<f64>,
@@ -135,6 +145,22 @@ impl LaunchArgs {
                 c.extra_env.extend(fsdp.launch_env());
             }
         }
+        let threads = CpuThreads {
+            flag: self.num_cpu_threads_per_process,
+            omp_env: std::env::var("OMP_NUM_THREADS").ok(),
+            rayon_env_set: std::env::var_os("RAYON_NUM_THREADS").is_some(),
+            // A build without CUDA can only train on the CPU.
+            cpu_job: c.cpu || !cfg!(any(feature = "cuda", feature = "nccl")),
+            local_ranks: (num_processes / c.num_machines.max(1)).max(1),
+            physical_cores: num_cpus::get_physical(),
+        };
+        let (n, rayon) = threads.resolve()?;
+        c.extra_env
+            .push(("OMP_NUM_THREADS".to_string(), n.to_string()));
+        if rayon {
+            c.extra_env
+                .push(("RAYON_NUM_THREADS".to_string(), n.to_string()));
+        }
         if self.enable_cpu_affinity || file.is_some_and(|f| f.enable_cpu_affinity) {
             c.extra_env.push((
                 accel_core::dist::affinity::ENV_CPU_AFFINITY.to_string(),
@@ -142,6 +168,66 @@ impl LaunchArgs {
             ));
         }
         Ok(c)
+    }
+}
+
+/// What decides the CPU threads of each rank (Accelerate's
+/// `--num_cpu_threads_per_process` logic in `_validate_launch_command`).
+#[derive(Debug, Clone)]
+struct CpuThreads {
+    flag: Option<usize>,
+    omp_env: Option<String>,
+    rayon_env_set: bool,
+    cpu_job: bool,
+    local_ranks: usize,
+    physical_cores: usize,
+}
+
+impl CpuThreads {
+    /// The thread count, and whether `RAYON_NUM_THREADS` is to be exported
+    /// too: always for the flag (it wins), else only when the launcher's
+    /// environment does not already set it. Without this every rank sized
+    /// its pools to all the machine's cores: 2 ranks on 2 cores ran 4
+    /// compute threads (plus candle's spinning pool) on 2 cores.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for `--num_cpu_threads_per_process 0` or an
+    /// `OMP_NUM_THREADS` that is not a positive integer.
+    fn resolve(&self) -> Result<(usize, bool)> {
+        let bad = |key: &str, value: &str| Error::Config {
+            key: key.into(),
+            reason: format!("{value:?} is not a positive number of threads"),
+        };
+        if let Some(n) = self.flag {
+            if n == 0 {
+                return Err(bad("num_cpu_threads_per_process", "0"));
+            }
+            return Ok((n, true));
+        }
+        let omp = match &self.omp_env {
+            Some(v) => Some(
+                v.trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| bad("OMP_NUM_THREADS", v))?,
+            ),
+            None => None,
+        };
+        let mut n = omp.unwrap_or(1);
+        if self.cpu_job && omp.is_none() {
+            let share = self.physical_cores / self.local_ranks.max(1);
+            if share > 1 {
+                n = share;
+                eprintln!(
+                    "accel launch: --num_cpu_threads_per_process was set to {n} \
+                     ({} physical cores / {} local processes) to improve out-of-box \
+                     performance when training on CPUs",
+                    self.physical_cores, self.local_ranks
+                );
+            }
+        }
+        Ok((n, !self.rayon_env_set))
     }
 }
 
@@ -259,6 +345,54 @@ mod tests {
             .to_config(None)
             .unwrap_err();
         assert!(e.to_string().contains("mixed_precision"), "{e}");
+    }
+
+    fn threads(flag: Option<usize>, omp: Option<&str>, cpu_job: bool, ranks: usize) -> CpuThreads {
+        CpuThreads {
+            flag,
+            omp_env: omp.map(str::to_string),
+            rayon_env_set: false,
+            cpu_job,
+            local_ranks: ranks,
+            physical_cores: 8,
+        }
+    }
+
+    #[test]
+    fn cpu_threads_follow_accelerates_rule() -> Result<()> {
+        // A CPU job without OMP_NUM_THREADS shares the physical cores among local ranks.
+        assert_eq!(threads(None, None, true, 2).resolve()?, (4, true));
+        assert_eq!(threads(None, None, true, 1).resolve()?, (8, true));
+        // ... unless that share is one core or less: then the default, 1.
+        assert_eq!(threads(None, None, true, 16).resolve()?, (1, true));
+        // A GPU job defaults to 1 (as torchrun and Accelerate do).
+        assert_eq!(threads(None, None, false, 2).resolve()?, (1, true));
+        // The launcher's OMP_NUM_THREADS wins over the default, the flag over both.
+        assert_eq!(threads(None, Some("3"), true, 2).resolve()?, (3, true));
+        assert_eq!(threads(Some(5), Some("3"), true, 2).resolve()?, (5, true));
+        // A RAYON_NUM_THREADS already set is left alone unless the flag is given.
+        let mut t = threads(None, None, true, 2);
+        t.rayon_env_set = true;
+        assert_eq!(t.resolve()?, (4, false));
+        t.flag = Some(2);
+        assert_eq!(t.resolve()?, (2, true));
+        Ok(())
+    }
+
+    #[test]
+    fn bad_thread_counts_are_named() {
+        let e = threads(Some(0), None, true, 1).resolve().unwrap_err();
+        assert!(e.to_string().contains("num_cpu_threads_per_process"), "{e}");
+        let e = threads(None, Some("many"), true, 1).resolve().unwrap_err();
+        assert!(e.to_string().contains("OMP_NUM_THREADS"), "{e}");
+    }
+
+    #[test]
+    fn the_thread_count_is_exported_to_every_rank() -> Result<()> {
+        let c = args(&["--cpu", "--num_cpu_threads_per_process", "3"]).to_config(None)?;
+        assert_eq!(env(&c, "OMP_NUM_THREADS"), Some("3"));
+        assert_eq!(env(&c, "RAYON_NUM_THREADS"), Some("3"));
+        Ok(())
     }
 
     #[test]

@@ -89,3 +89,34 @@ fn enable_cpu_affinity_reaches_every_rank() {
         "{text}"
     );
 }
+
+#[test]
+fn every_rank_gets_its_thread_count_flag_then_launcher_environment() {
+    let run = |flags: &[&str], omp: Option<&str>| {
+        let mut cmd = accel();
+        cmd.args(["launch", "--num_processes", "2", "--cpu"])
+            .args(flags)
+            .args([
+                "sh",
+                "-c",
+                "echo threads=$OMP_NUM_THREADS/$RAYON_NUM_THREADS",
+            ])
+            .env_remove("RAYON_NUM_THREADS")
+            .env_remove("OMP_NUM_THREADS");
+        if let Some(v) = omp {
+            cmd.env("OMP_NUM_THREADS", v);
+        }
+        let out = cmd.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let count = |text: &str, want: &str| text.lines().filter(|l| l.ends_with(want)).count();
+    let text = run(&["--num_cpu_threads_per_process", "3"], Some("5"));
+    assert_eq!(count(&text, "threads=3/3"), 2, "{text}");
+    let text = run(&[], Some("5"));
+    assert_eq!(count(&text, "threads=5/5"), 2, "{text}");
+}

@@ -16,7 +16,7 @@ pub(crate) use super::act::Act;
 use super::act::{backward_par, forward_par};
 use super::raw::{gemm, gemm_new, MatRef};
 use super::skinny;
-use super::{as_f32, from_f32, tensor_from_f32, with_f32};
+use super::{as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32};
 
 /// The op; it keeps the pre-activation for the backward pass of smooth
 /// activations (ReLU's derivative is read off the output instead).
@@ -176,15 +176,15 @@ impl LinearOp {
     }
 }
 
-/// Sums the rows of the row-major `m` (row length `cols`), in parallel over
-/// row blocks, then across blocks.
+/// Sums the rows of the row-major `m` (row length `cols`): partial sums over
+/// fixed row blocks in parallel, then added in order, so the result does not
+/// depend on the thread count.
 pub(super) fn column_sums(m: &[f32], cols: usize) -> Vec<f32> {
-    let rows = m.len() / cols.max(1);
-    let block = rows.div_ceil(rayon::current_num_threads()).max(1) * cols;
-    if block == 0 {
-        return vec![0f32; cols];
+    if cols == 0 {
+        return Vec::new();
     }
-    m.par_chunks(block)
+    let partials = m
+        .par_chunks(rows_per_reduction(cols) * cols)
         .map(|blk| {
             let mut acc = vec![0f32; cols];
             for row in blk.chunks_exact(cols) {
@@ -192,13 +192,8 @@ pub(super) fn column_sums(m: &[f32], cols: usize) -> Vec<f32> {
             }
             acc
         })
-        .reduce(
-            || vec![0f32; cols],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                a
-            },
-        )
+        .collect();
+    sum_in_order(partials, cols)
 }
 
 impl CustomOp3 for LinearOp {

@@ -18,7 +18,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result,
 use rayon::prelude::*;
 
 use super::raw::{gemm_new, MatRef};
-use super::{as_f32, math, rows_per_task, tensor_from_f32, with_f32};
+use super::{as_f32, math, rows_per_reduction, rows_per_task, tensor_from_f32, with_f32};
 
 /// Marks a row whose target is ignored.
 pub(crate) const IGNORED: u32 = u32::MAX;
@@ -42,9 +42,11 @@ fn targets_of<'a>(s: &'a CpuStorage, l: &Layout, n: usize, classes: usize) -> Re
 /// that are not ignored.
 fn lse_and_loss(logits: &[f32], targets: &[u32], c: usize) -> (Vec<f32>, f32) {
     let n = targets.len();
-    let rows = rows_per_task(n, c);
+    // Blocks of a fixed size, their sums added in order: the loss's bits do
+    // not depend on the thread count (see `rows_per_reduction`).
+    let rows = rows_per_reduction(c);
     let mut lse = vec![0f32; n];
-    let total: f64 = lse
+    let partials: Vec<f64> = lse
         .par_chunks_mut(rows)
         .zip(logits.par_chunks(rows * c).zip(targets.par_chunks(rows)))
         .map(|(lse, (x, t))| {
@@ -59,7 +61,8 @@ fn lse_and_loss(logits: &[f32], targets: &[u32], c: usize) -> (Vec<f32>, f32) {
             }
             sum
         })
-        .sum();
+        .collect();
+    let total: f64 = partials.iter().sum();
     let count = valid_count(targets);
     (
         lse,

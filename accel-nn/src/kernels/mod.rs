@@ -119,6 +119,25 @@ fn tensor_from_f32(v: Vec<f32>, shape: impl Into<Shape>, dtype: DType) -> Result
 
 /// Rows per parallel task for row-wise kernels: big enough that a task
 /// amortises its scheduling, small enough to balance over the threads.
+/// Rows per task for kernels that reduce over rows (bias and norm-weight
+/// gradients): a function of the row length alone, never of the thread
+/// count, so that with [`sum_in_order`] a gradient's bits are the same on
+/// every machine and every run (rayon's `reduce` combines partials in a tree
+/// whose shape follows work stealing).
+fn rows_per_reduction(row_len: usize) -> usize {
+    (16 * 1024 / row_len.max(1)).max(1)
+}
+
+/// Adds equally long partial sums one after the other, in their order.
+fn sum_in_order(partials: Vec<Vec<f32>>, len: usize) -> Vec<f32> {
+    let mut it = partials.into_iter();
+    let mut acc = it.next().unwrap_or_else(|| vec![0f32; len]);
+    for p in it {
+        acc.iter_mut().zip(&p).for_each(|(a, b)| *a += b);
+    }
+    acc
+}
+
 fn rows_per_task(rows: usize, row_len: usize) -> usize {
     let target = (16 * 1024 / row_len.max(1)).max(1);
     let even = rows.div_ceil(4 * rayon::current_num_threads()).max(1);
@@ -127,3 +146,71 @@ fn rows_per_task(rows: usize, row_len: usize) -> usize {
 
 /// Elements per parallel task for elementwise kernels.
 const CHUNK: usize = 16 * 1024;
+
+#[cfg(test)]
+mod determinism_tests {
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use crate::ops::{self, Activation};
+
+    /// Loss and every gradient of linear -> layer norm -> linear -> cross
+    /// entropy, as raw bits.
+    fn run() -> candle_core::Result<Vec<Vec<u32>>> {
+        let dev = Device::Cpu;
+        // Fixed pseudo-random values (candle's CPU generator takes no seed).
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut t = |dims: &[usize], mean: f32, scale: f32| {
+            let n: usize = dims.iter().product();
+            let v: Vec<f32> = (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    mean + scale * ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                })
+                .collect();
+            Tensor::from_vec(v, dims, &dev)
+        };
+        let n = 300; // several reduction blocks for every kernel below
+        let x = t(&[n, 96], 0.0, 2.0)?;
+        let vars = [
+            Var::from_tensor(&t(&[80, 96], 0.0, 0.2)?)?,
+            Var::from_tensor(&t(&[80], 0.0, 0.2)?)?,
+            Var::from_tensor(&t(&[80], 1.0, 0.2)?)?,
+            Var::from_tensor(&t(&[80], 0.0, 0.2)?)?,
+            Var::from_tensor(&t(&[600, 80], 0.0, 0.2)?)?,
+        ];
+        let labels = Tensor::arange(0u32, n as u32, &dev)?;
+        let h = ops::linear(&x, &vars[0], Some(&vars[1]), Some(Activation::Gelu))?;
+        let h = ops::layer_norm(&h, &vars[2], Some(&vars[3]), 1e-5)?;
+        let loss = ops::linear_cross_entropy(&h, &vars[4], &labels)?;
+        let grads = loss.backward()?;
+        let bits = |t: &Tensor| -> candle_core::Result<Vec<u32>> {
+            let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            Ok(v.into_iter().map(f32::to_bits).collect())
+        };
+        let mut out = vec![bits(&loss)?];
+        for v in &vars {
+            out.push(bits(grads.get(v).expect("a gradient for every weight"))?);
+        }
+        Ok(out)
+    }
+
+    #[test]
+    fn losses_and_gradients_have_the_same_bits_for_any_thread_count() {
+        let in_pool = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(run).unwrap()
+        };
+        let one = in_pool(1);
+        for threads in [2, 3] {
+            let many = in_pool(threads);
+            for (k, (a, b)) in one.iter().zip(&many).enumerate() {
+                assert!(a == b, "output {k} differs between 1 and {threads} threads");
+            }
+        }
+    }
+}

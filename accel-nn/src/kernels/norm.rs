@@ -10,7 +10,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::{as_f32, from_f32, math, rows_per_task, tensor_from_f32, with_f32};
+use super::{
+    as_f32, from_f32, math, rows_per_reduction, rows_per_task, sum_in_order, tensor_from_f32,
+    with_f32,
+};
 
 /// Which normalisation (`rms`: no centring, no bias) and its epsilon.
 #[derive(Clone, Copy)]
@@ -146,10 +149,10 @@ impl Norm {
         let (dw, db) = with_f32(x, |xs| {
             with_f32(w, |ws| {
                 with_f32(grad, |g| {
-                    let chunk = rows_per_task(xs.len() / d, d) * d;
+                    let chunk = rows_per_reduction(d) * d;
                     // Each task writes its rows of dx and returns partial sums
-                    // [dw | db | scratch]; the partials are then added up.
-                    let acc = dx
+                    // [dw | db | scratch]; the partials are then added up in order.
+                    let partials = dx
                         .par_chunks_mut(chunk)
                         .zip(xs.par_chunks(chunk).zip(g.par_chunks(chunk)))
                         .map(|(dx, (x, g))| {
@@ -157,13 +160,8 @@ impl Norm {
                             backward_rows(x, ws, g, dx, &mut acc, self.eps, self.rms);
                             acc
                         })
-                        .reduce(
-                            || vec![0f32; 3 * d],
-                            |mut a, b| {
-                                a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                                a
-                            },
-                        );
+                        .collect();
+                    let acc = sum_in_order(partials, 3 * d);
                     Ok((acc[..d].to_vec(), acc[d..2 * d].to_vec()))
                 })
             })
