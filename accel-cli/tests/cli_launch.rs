@@ -8,19 +8,23 @@ fn accel() -> Command {
     Command::new(env!("CARGO_BIN_EXE_accel"))
 }
 
-#[test]
-fn every_rank_gets_torchrun_variables_and_prefixed_output() {
-    let out = accel()
-        .args(["launch", "--num_processes", "3", "--cpu", "sh", "-c"])
-        .arg("echo rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE lws=$LOCAL_WORLD_SIZE addr=$MASTER_ADDR cpu=$ACCELERATE_USE_CPU token=${#ACCEL_JOB_TOKEN}")
-        .output()
-        .unwrap();
+/// The standard output of a command that must succeed (else its stderr is the failure).
+fn stdout_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let text = String::from_utf8(out.stdout).unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn every_rank_gets_torchrun_variables_and_prefixed_output() {
+    let text = stdout_ok(
+        accel().args(["launch", "--num_processes", "3", "--cpu", "sh", "-c"])
+        .arg("echo rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE lws=$LOCAL_WORLD_SIZE addr=$MASTER_ADDR cpu=$ACCELERATE_USE_CPU token=${#ACCEL_JOB_TOKEN}"),
+    );
     for r in 0..3 {
         let want =
             format!("[rank{r}]: rank={r} local={r} world=3 lws=3 addr=127.0.0.1 cpu=true token=32");
@@ -64,25 +68,19 @@ fn a_program_that_does_not_exist_is_named() {
 
 #[test]
 fn enable_cpu_affinity_reaches_every_rank() {
-    let out = accel()
-        .args([
-            "launch",
-            "--num_processes",
-            "2",
-            "--cpu",
-            "--enable_cpu_affinity",
-            "sh",
-            "-c",
-        ])
-        .arg("echo affinity=$ACCELERATE_CPU_AFFINITY")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let text = stdout_ok(
+        accel()
+            .args([
+                "launch",
+                "--num_processes",
+                "2",
+                "--cpu",
+                "--enable_cpu_affinity",
+                "sh",
+                "-c",
+            ])
+            .arg("echo affinity=$ACCELERATE_CPU_AFFINITY"),
     );
-    let text = String::from_utf8(out.stdout).unwrap();
     assert_eq!(
         text.lines().filter(|l| l.ends_with("affinity=1")).count(),
         2,
@@ -106,13 +104,7 @@ fn every_rank_gets_its_thread_count_flag_then_launcher_environment() {
         if let Some(v) = omp {
             cmd.env("OMP_NUM_THREADS", v);
         }
-        let out = cmd.output().unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        stdout_ok(&mut cmd)
     };
     let count = |text: &str, want: &str| text.lines().filter(|l| l.ends_with(want)).count();
     let text = run(&["--num_cpu_threads_per_process", "3"], Some("5"));
