@@ -107,6 +107,14 @@ impl Accelerator {
             let cpus = accel_dist::affinity::set_numa_affinity(state.local_rank, local_world)?;
             tracing::info!(local_rank = state.local_rank, ?cpus, "pinned to CPUs");
         }
+        let omp = std::env::var("OMP_NUM_THREADS").ok();
+        let rayon_env = std::env::var("RAYON_NUM_THREADS").ok();
+        let pool = rayon::current_num_threads();
+        if let Some(msg) =
+            crate::config::env::omp_threads_notice(omp.as_deref(), rayon_env.as_deref(), pool)
+        {
+            tracing::warn!("{msg}");
+        }
         // A training step frees and reallocates the same large buffers; with
         // glibc's defaults each step faults them in again (see accel_dist::malloc).
         match accel_dist::malloc::tune_for_training() {

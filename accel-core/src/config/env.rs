@@ -122,9 +122,47 @@ impl AcceleratorConfig {
     }
 }
 
+/// A start-up warning when `OMP_NUM_THREADS` asks for a thread count that
+/// accel-rs does not compute with. torchrun (and Accelerate's launcher) size
+/// each rank's CPU threads through it, but accel-rs' kernels and candle's run
+/// on rayon's pool, sized by `RAYON_NUM_THREADS` (which `accel launch` sets);
+/// without this a torchrun job of N ranks silently ran N pools of all cores.
+/// `None` when `RAYON_NUM_THREADS` is set (an explicit choice) or the counts agree.
+pub fn omp_threads_notice(
+    omp_env: Option<&str>,
+    rayon_env: Option<&str>,
+    pool_threads: usize,
+) -> Option<String> {
+    if rayon_env.is_some() {
+        return None;
+    }
+    let omp = omp_env?.trim();
+    match omp.parse::<usize>() {
+        Ok(n) if n > 0 && n == pool_threads => None,
+        Ok(n) if n > 0 => Some(format!(
+            "OMP_NUM_THREADS={n} has no effect on accel-rs, which computes on rayon's pool of \
+             {pool_threads} threads; set RAYON_NUM_THREADS={n} as well (accel launch sets both)"
+        )),
+        _ => Some(format!(
+            "OMP_NUM_THREADS={omp:?} is not a positive number of threads and has no effect; \
+             accel-rs computes on rayon's pool of {pool_threads} threads (RAYON_NUM_THREADS)"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn omp_num_threads_that_does_not_act_is_reported() {
+        let msg = omp_threads_notice(Some("1"), None, 2).expect("a notice");
+        assert!(msg.contains("OMP_NUM_THREADS=1") && msg.contains("RAYON_NUM_THREADS=1"));
+        assert!(omp_threads_notice(Some("x"), None, 2).is_some_and(|m| m.contains("\"x\"")));
+        assert_eq!(omp_threads_notice(Some("2"), None, 2), None);
+        assert_eq!(omp_threads_notice(Some("1"), Some("4"), 4), None);
+        assert_eq!(omp_threads_notice(None, None, 2), None);
+    }
 
     #[test]
     fn the_candle_version_matches_the_workspace_pin() {
