@@ -117,15 +117,13 @@ fn tensor_from_f32(v: Vec<f32>, shape: impl Into<Shape>, dtype: DType) -> Result
     Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)
 }
 
-/// Rows per parallel task for row-wise kernels: big enough that a task
-/// amortises its scheduling, small enough to balance over the threads.
 /// Rows per task for kernels that reduce over rows (bias and norm-weight
-/// gradients): a function of the row length alone, never of the thread
-/// count, so that with [`sum_in_order`] a gradient's bits are the same on
-/// every machine and every run (rayon's `reduce` combines partials in a tree
-/// whose shape follows work stealing).
+/// gradients, the loss): about [`CHUNK`] elements, a function of the row
+/// length alone, never of the thread count, so that with [`sum_in_order`] a
+/// result's bits are the same on every machine and every run (rayon's
+/// `reduce` combines partials in a tree whose shape follows work stealing).
 fn rows_per_reduction(row_len: usize) -> usize {
-    (16 * 1024 / row_len.max(1)).max(1)
+    (CHUNK / row_len.max(1)).max(1)
 }
 
 /// Adds equally long partial sums one after the other, in their order.
@@ -138,10 +136,12 @@ fn sum_in_order(partials: Vec<Vec<f32>>, len: usize) -> Vec<f32> {
     acc
 }
 
+/// Rows per parallel task for row-wise kernels: big enough that a task
+/// amortises its scheduling, small enough to balance over the threads.
+/// Only for kernels whose rows are independent (see [`rows_per_reduction`]).
 fn rows_per_task(rows: usize, row_len: usize) -> usize {
-    let target = (16 * 1024 / row_len.max(1)).max(1);
     let even = rows.div_ceil(4 * rayon::current_num_threads()).max(1);
-    target.min(even)
+    rows_per_reduction(row_len).min(even)
 }
 
 /// Elements per parallel task for elementwise kernels.
