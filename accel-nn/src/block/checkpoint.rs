@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use accel_bigmodel::ModuleWeights;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cpu_backend::CpuDevice;
+use candle_core::op::Neg;
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, CustomOp2, DType, Layout, Shape, Tensor, Var,
 };
@@ -127,8 +128,18 @@ impl ModelHook for CheckpointHook {
     }
 }
 
+// The checkpointed output is `XOp`'s zeros plus the detached output, so the
+// zeros are negative: x + (-0) is x for every x, -0 included, while +0 would
+// turn every -0 of the block's output into +0 (GELU of a large negative input
+// is -0, so the plain and the checkpointed forward differed in its sign bit).
+
 fn zeros_cpu(shape: &Shape, dtype: DType) -> candle_core::Result<(CpuStorage, Shape)> {
-    Ok((CpuDevice.zeros_impl(shape, dtype)?, shape.clone()))
+    let zeros = CpuDevice.zeros_impl(shape, dtype)?;
+    let zeros = match dtype.is_float() {
+        true => zeros.unary_impl::<Neg>(&Layout::contiguous(shape))?,
+        false => zeros,
+    };
+    Ok((zeros, shape.clone()))
 }
 
 fn zeros_cuda(
@@ -136,10 +147,16 @@ fn zeros_cuda(
     shape: &Shape,
     dtype: DType,
 ) -> candle_core::Result<(CudaStorage, Shape)> {
-    Ok((s.device().zeros_impl(shape, dtype)?, shape.clone()))
+    let zeros = s.device().zeros_impl(shape, dtype)?;
+    let zeros = match dtype.is_float() {
+        true => zeros.unary_impl::<Neg>(&Layout::contiguous(shape))?,
+        false => zeros,
+    };
+    Ok((zeros, shape.clone()))
 }
 
-/// Zeros of the block's output shape; its backward recomputes the block.
+/// Negative zeros of the block's output shape (see `zeros_cpu`); its
+/// backward recomputes the block.
 struct XOp {
     shared: Arc<Shared>,
     out_shape: Shape,

@@ -85,6 +85,48 @@ fn checkpointed_blocks_give_the_plain_outputs_and_gradients_bit_for_bit() {
     assert_eq!(bits(&gx), bits(&gx2));
 }
 
+/// A linear layer times zero: -0 wherever the linear output is negative.
+struct SignedZeros(candle_nn::Linear);
+
+impl Module for SignedZeros {
+    fn forward(&self, xs: &Tensor) -> candle_core::Result<Tensor> {
+        let y = self.0.forward(xs)?;
+        y.mul(&y.zeros_like()?)
+    }
+}
+
+#[test]
+fn a_checkpointed_block_keeps_the_sign_of_zero_outputs() {
+    let map = VarMap::new();
+    let vb = VarBuilder::from_varmap(&map, DType::F32, &Device::Cpu);
+    let make = |vb: VarBuilder| -> candle_core::Result<Dyn> {
+        Ok(Box::new(SignedZeros(candle_nn::linear(8, 4, vb)?)))
+    };
+    let model = Sequential::new(vec![Block::new(&vb, "z", "Layer", make).unwrap()]);
+    // Fixed weights of both signs (candle's init takes no seed).
+    let w = Tensor::arange(0f32, 32., &Device::Cpu)
+        .unwrap()
+        .affine(0.1, -1.6)
+        .unwrap();
+    let data = map.data().lock().unwrap();
+    data["z.weight"].set(&w.reshape((4, 8)).unwrap()).unwrap();
+    data["z.bias"]
+        .set(&Tensor::zeros(4, DType::F32, &Device::Cpu).unwrap())
+        .unwrap();
+    drop(data);
+    let x = Var::from_tensor(&input()).unwrap();
+    let plain = bits(&model.forward_hidden(x.as_tensor()).unwrap());
+    let negative = plain.iter().filter(|b| **b == (-0f32).to_bits()).count();
+    let positive = plain.iter().filter(|b| **b == 0).count();
+    assert!(
+        negative > 0 && positive > 0 && negative + positive == plain.len(),
+        "{plain:?}"
+    );
+    apply_activation_checkpointing(&model, &["Layer"]).unwrap();
+    let checkpointed = bits(&model.forward_hidden(x.as_tensor()).unwrap());
+    assert_eq!(plain, checkpointed, "{negative} of the plain zeros are -0");
+}
+
 /// Counts its forwards, so a test sees the recomputation happen.
 struct Counting(candle_nn::Linear, Arc<AtomicUsize>);
 
