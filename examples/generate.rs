@@ -16,6 +16,11 @@
 use accel_examples::generate::{run, Args};
 use clap::Parser;
 
+// Weights stored in the dtype they are used in are the checkpoint's own
+// pages, not copies (see `accel_core::bigmodel::mapped`).
+#[global_allocator]
+static ALLOC: accel_core::bigmodel::MappedAlloc = accel_core::bigmodel::MappedAlloc::system();
+
 fn main() -> anyhow::Result<()> {
     run(&Args::parse(), &mut std::io::stdout().lock())
 }

@@ -30,8 +30,9 @@
 //! # Ok::<(), accel_bigmodel::Error>(())
 //! ```
 #![warn(missing_docs)]
-// Denied rather than forbidden so that `safetensors/mmap.rs` can allow its one
-// audited `Mmap::map` call; nothing else may use `unsafe`.
+// Denied rather than forbidden so that `mapped.rs` (memory maps, tensors over
+// them and the allocator that frees those) can allow its audited `unsafe`;
+// nothing else may use it.
 #![deny(unsafe_code)]
 
 mod bytes;
@@ -40,6 +41,7 @@ mod device_map;
 mod dtype;
 mod empty;
 mod error;
+pub mod mapped;
 mod memory;
 pub mod offload;
 mod ordered_map;
@@ -61,6 +63,7 @@ pub use device_map::{check_device_map, clean_device_map, DeviceMap, Placement};
 pub use dtype::DTypeName;
 pub use empty::{init_empty_weights, placeholder, EmptyTensor, EmptyWeights};
 pub use error::{Error, Result};
+pub use mapped::{MappedAlloc, MappedStats};
 pub use memory::{
     convert_file_size_to_int, get_balanced_memory, get_max_memory, parse_max_memory_json,
     MaxMemory, MemorySize,
@@ -78,3 +81,9 @@ pub use sizes::{
 };
 pub use tree::{ModuleId, ModuleInfo, ModuleTree, TensorId, TensorInfo, TensorKind, TreeItem};
 pub use weights::{is_placeholder, ModuleWeights, SlotBackend};
+
+// The unit tests run with tensors over mapped files, as programs that
+// install the allocator do.
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: MappedAlloc = MappedAlloc::system();

@@ -36,3 +36,9 @@ pub use error::{Error, Result};
 pub use gpt2::Gpt2;
 pub use llama::Llama;
 pub use tokenizer::Tokenizer;
+
+// The unit tests run with weights mapped from checkpoint files, as programs
+// that install the allocator do.
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: accel_bigmodel::MappedAlloc = accel_bigmodel::MappedAlloc::system();

@@ -12,6 +12,11 @@ use accel_nn::{DeviceMapChoice, LoadDispatchOptions};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
+// As the example programs do: weights in the checkpoint's dtype are its
+// pages (accel_bigmodel::mapped), so every test here runs on mapped weights.
+#[global_allocator]
+static ALLOC: accel_bigmodel::MappedAlloc = accel_bigmodel::MappedAlloc::system();
+
 const DECODERS: [&str; 5] = ["llama", "llama3", "mistral", "qwen2", "gpt2"];
 const TOL: f32 = 1e-4;
 
@@ -75,6 +80,26 @@ fn check_generate(name: &str, model: &AutoModel, how: &str) {
     let n = g["max_new_tokens"].as_u64().unwrap() as usize;
     let got = model.generate(&prompt, n, &[]).unwrap();
     assert_eq!(got, want, "{name} ({how}): greedy tokens");
+}
+
+#[test]
+fn a_plain_fp32_load_maps_each_checkpoint_tensor_and_a_bf16_load_converts() {
+    for name in DECODERS {
+        let model = AutoModel::load(fixture(name), DType::F32, &Device::Cpu).unwrap();
+        let tensors = model.named_tensors();
+        let mapped = tensors
+            .iter()
+            .filter(|(_, t)| accel_bigmodel::mapped::is_mapped(t));
+        // A tied head asks for the embedding's bytes a second time: that
+        // request gets a copy, never the same pages twice.
+        let source = accel_bigmodel::CheckpointSource::open(fixture(name)).unwrap();
+        assert_eq!(mapped.count(), source.len(), "{name}");
+        let model = AutoModel::load(fixture(name), DType::BF16, &Device::Cpu).unwrap();
+        let tensors = model.named_tensors();
+        assert!(tensors
+            .iter()
+            .all(|(_, t)| !accel_bigmodel::mapped::is_mapped(t)));
+    }
 }
 
 #[test]
@@ -194,6 +219,15 @@ fn dispatched_with_cpu_and_disk_offload_gives_transformers_logits_and_tokens() {
         };
         let (model, report) = AutoModel::load_dispatched(fixture(name), &opts).unwrap();
         assert!(report.count(Placement::Disk) >= 2, "{name}: {report:?}");
+        // CPU blocks hold the checkpoint's pages; disk blocks hold nothing
+        // between forwards.
+        for (block, (_, placement)) in model.blocks().iter().zip(&report.placements) {
+            for (n, t) in block.weights().tensors() {
+                let mapped = accel_bigmodel::mapped::is_mapped(&t);
+                let expected = *placement == Placement::Cpu;
+                assert_eq!(mapped, expected, "{name}: {n} on {placement:?}");
+            }
+        }
         check_logits(name, &model, "dispatched");
         check_generate(name, &model, "dispatched");
     }

@@ -236,6 +236,11 @@ fn vm_hwm_bytes() -> Result<u64> {
     Ok(kb * 1024)
 }
 
+// Resident and disk-offloaded weights are the checkpoint's own pages, not
+// copies (see `accel_bigmodel::mapped`).
+#[global_allocator]
+static ALLOC: accel_bigmodel::MappedAlloc = accel_bigmodel::MappedAlloc::system();
+
 fn main() -> Result<()> {
     let mut dir: Option<PathBuf> = None;
     let mut scale = 1.0f64;

@@ -35,3 +35,9 @@ pub use dispatch::{
     dispatch_model, load_checkpoint_and_dispatch, DeviceMapChoice, DispatchOptions, DispatchReport,
     LoadDispatchOptions,
 };
+
+// The unit tests run with weights mapped from checkpoint files, as programs
+// that install the allocator do.
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: accel_bigmodel::MappedAlloc = accel_bigmodel::MappedAlloc::system();

@@ -13,6 +13,11 @@ use accel_examples::{Gpt, GptConfig};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 
+// As the example programs do: weights are mapped from checkpoint files, so
+// these tests check the mapped path end to end.
+#[global_allocator]
+static ALLOC: accel_core::bigmodel::MappedAlloc = accel_core::bigmodel::MappedAlloc::system();
+
 fn cfg() -> GptConfig {
     GptConfig {
         vocab_size: 40,

@@ -19,6 +19,11 @@ const TOL: f32 = 1e-4;
 
 use accel_tests::{hf_fixture as fixture, hf_reference as reference};
 
+// As the example programs do: weights are mapped from checkpoint files, so
+// these tests check the mapped path end to end.
+#[global_allocator]
+static ALLOC: accel_core::bigmodel::MappedAlloc = accel_core::bigmodel::MappedAlloc::system();
+
 fn ids(v: &Value) -> String {
     let ids: Vec<u32> = serde_json::from_value(v.clone()).unwrap();
     ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")

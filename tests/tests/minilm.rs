@@ -14,6 +14,11 @@ use std::process::Command;
 
 use serde_json::Value;
 
+// As the example programs do: weights are mapped from checkpoint files, so
+// these tests check the mapped path end to end.
+#[global_allocator]
+static ALLOC: accel_core::bigmodel::MappedAlloc = accel_core::bigmodel::MappedAlloc::system();
+
 const WORKER: &str = env!("CARGO_BIN_EXE_minilm_worker");
 const TOLERANCE: f64 = 1e-5;
 

@@ -4,10 +4,12 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::mapped::MappedRegion;
 use crate::safetensors::{CheckpointFiles, HeaderEntry, MmapFile, WeightIndex};
 
 /// Where one tensor of a checkpoint lives, read from the headers alone.
@@ -52,6 +54,9 @@ pub struct CheckpointSource {
     files: CheckpointFiles,
     mapped: Vec<MmapFile>,
     by_name: BTreeMap<String, usize>,
+    // Per file: its copy-on-write mapping for tensors over its pages, opened
+    // on first use (`None`: tensors cannot be mapped, see `crate::mapped`).
+    regions: Vec<OnceLock<Option<Arc<MappedRegion>>>>,
 }
 
 impl CheckpointSource {
@@ -84,6 +89,7 @@ impl CheckpointSource {
         Ok(CheckpointSource {
             checkpoint: checkpoint.to_path_buf(),
             files,
+            regions: mapped.iter().map(|_| OnceLock::new()).collect(),
             mapped,
             by_name,
         })
@@ -138,7 +144,9 @@ impl CheckpointSource {
     /// Materialises `name` on `device`, converted to `dtype` when given.
     ///
     /// The bytes go from the mapping straight to `device` in the file's dtype
-    /// and are converted there, so a GPU target never holds a host copy.
+    /// and are converted there, so a GPU target never holds a host copy. A
+    /// CPU tensor in the file's own dtype is the file's pages themselves
+    /// where [`crate::MappedAlloc`] is installed (see [`crate::mapped`]).
     ///
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::Safetensors`] when candle cannot hold
@@ -150,11 +158,32 @@ impl CheckpointSource {
                 checkpoint: self.checkpoint.clone(),
             });
         };
+        if device.is_cpu() {
+            if let Some(t) = self.mapped_tensor(i, name, dtype) {
+                return Ok(t);
+            }
+        }
         let tensor = self.mapped[i].tensor(name, device)?;
         match dtype {
             Some(dtype) => convert(tensor, dtype),
             None => Ok(tensor),
         }
+    }
+}
+
+impl CheckpointSource {
+    /// `name` of file `i` over the file's pages, when it is stored as
+    /// `dtype` (or `dtype` is `None`) and can be mapped.
+    fn mapped_tensor(&self, i: usize, name: &str, dtype: Option<DType>) -> Option<Tensor> {
+        let file = &self.mapped[i];
+        let entry = file.header().get(name)?;
+        let stored = entry.candle_dtype()?;
+        if dtype.is_some_and(|d| d != stored) {
+            return None;
+        }
+        let region = self.regions[i].get_or_init(|| MappedRegion::open(file.path()).ok().flatten());
+        let start = file.header().byte_range(name)?.start;
+        region.as_ref()?.tensor(start, stored, &entry.shape)
     }
 }
 

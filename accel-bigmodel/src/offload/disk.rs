@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, WithDType};
 use half::{bf16, f16};
@@ -15,6 +16,7 @@ use super::read::{read_into, read_tensor};
 use super::{StagingPool, WeightSource};
 use crate::checkpoint::CheckpointSource;
 use crate::error::{Error, Result};
+use crate::mapped::MappedRegion;
 
 /// The name of an offload folder's index.
 pub const OFFLOAD_INDEX_NAME: &str = "index.json";
@@ -193,6 +195,10 @@ pub struct OffloadedWeightsLoader {
     index: BTreeMap<String, OffloadEntry>,
     // Resolved (file, offset, stored dtype, shape) of safetensors entries.
     located: BTreeMap<String, (PathBuf, u64, DType, Vec<usize>)>,
+    // Files mapped for tensors over their pages (`None`: cannot be mapped).
+    regions: std::sync::Mutex<BTreeMap<PathBuf, Option<Arc<MappedRegion>>>>,
+    // Read every weight into memory even where it could be mapped.
+    no_mapping: bool,
 }
 
 impl OffloadedWeightsLoader {
@@ -246,6 +252,15 @@ impl OffloadedWeightsLoader {
             loader.index.insert(name.to_string(), entry);
         }
         Ok(loader)
+    }
+
+    /// Whether weights stored in the dtype asked for are served as tensors
+    /// over the file's own pages (the default where a
+    /// [`crate::MappedAlloc`] is installed, see [`crate::mapped`]) or always
+    /// read into memory.
+    pub fn with_mapping(mut self, map: bool) -> Self {
+        self.no_mapping = !map;
+        self
     }
 
     /// Adds in-memory tensors, which take priority over the folder.
@@ -323,6 +338,11 @@ impl WeightSource for OffloadedWeightsLoader {
             return Ok(t.to_device(device)?);
         }
         let at = self.stored_at(name)?;
+        if at.dtype == at.stored {
+            if let Some(t) = self.mapped(&at) {
+                return Ok(t.to_device(device)?);
+            }
+        }
         let t = read_tensor(&at.path, at.offset, at.stored, &at.shape)?;
         let t = match at.dtype == at.stored {
             true => t,
@@ -347,6 +367,10 @@ impl WeightSource for OffloadedWeightsLoader {
             return Ok(None);
         }
         if at.stored == dtype && at.dtype == at.stored {
+            if self.region(&at.path).is_some() {
+                // `load` hands out the file's own pages: no buffer to fill.
+                return Ok(None);
+            }
             let dst = pool.take(shape, dtype)?;
             if read_into(&at.path, at.offset, &dst)? {
                 return Ok(Some(dst));
@@ -385,6 +409,27 @@ struct StoredAt {
 }
 
 impl OffloadedWeightsLoader {
+    /// The mapping of `path`, opened on first use; `None` when tensors
+    /// cannot be mapped (no [`crate::MappedAlloc`], `ACCEL_MMAP_WEIGHTS=0`,
+    /// [`with_mapping(false)`](Self::with_mapping), a file that cannot be
+    /// opened: reading it then reports why).
+    fn region(&self, path: &Path) -> Option<Arc<MappedRegion>> {
+        if self.no_mapping || !crate::mapped::enabled() {
+            return None;
+        }
+        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
+        let region = regions
+            .entry(path.to_path_buf())
+            .or_insert_with(|| MappedRegion::open(path).ok().flatten());
+        region.clone()
+    }
+
+    /// The weight at `at` as a tensor over the mapped file, in its stored dtype.
+    fn mapped(&self, at: &StoredAt) -> Option<Tensor> {
+        let region = self.region(&at.path)?;
+        region.tensor(at.offset, at.stored, &at.shape)
+    }
+
     fn stored_at(&self, name: &str) -> Result<StoredAt> {
         let Some(entry) = self.index.get(name) else {
             return Err(Error::MissingOffloadedWeight {

@@ -1,4 +1,5 @@
-//! Memory-mapped safetensors files: the one place accel-bigmodel uses `unsafe`.
+//! Memory-mapped safetensors files (mapped by `crate::mapped`, the one place
+//! accel-bigmodel uses `unsafe`).
 
 use std::fs::File;
 use std::path::Path;
@@ -36,30 +37,6 @@ impl std::fmt::Debug for MmapFile {
     }
 }
 
-/// Maps `file` read-only.
-///
-/// This is the crate's single audited `unsafe` block.
-#[allow(unsafe_code)]
-fn map_read_only(file: &File, path: &Path) -> Result<Mmap> {
-    // SAFETY: `Mmap::map` is unsafe because the returned `&[u8]` aliases the
-    // file's pages: if another process writes the file while it is mapped, the
-    // bytes change under a shared reference (undefined behaviour in Rust's
-    // model), and if it truncates the file, touching the lost pages raises
-    // SIGBUS. The contract of this crate, documented on `MmapFile` and
-    // `CheckpointSource`, is that checkpoints are read-only inputs that nobody
-    // modifies while they are loaded, the same contract as candle's
-    // `from_mmaped_safetensors` and Python's `safe_open`. Within that
-    // contract: the map is read-only (PROT_READ), so we never write through
-    // it; it is owned by `MmapFile` together with the header validated against
-    // it, so every slice handed out lies inside the mapping (offsets were
-    // checked against the mapped length); and the mapping outlives every slice
-    // because slices borrow `&self`. Writers in this workspace (accel-core's
-    // checkpoint saver) never modify a file in place: they write a temporary
-    // file and rename it over the old one, which leaves existing mappings of
-    // the old inode intact.
-    unsafe { Mmap::map(file) }.map_err(|e| Error::io("memory-mapping", path, e))
-}
-
 impl MmapFile {
     /// Opens and maps a safetensors file and validates its header against it.
     ///
@@ -75,7 +52,7 @@ impl MmapFile {
             },
             _ => Error::io("opening", path, e),
         })?;
-        let map = map_read_only(&file, path)?;
+        let map = crate::mapped::map_read_only(&file, path)?;
         // Validate against the mapped bytes themselves (not a separate read),
         // so the offsets checked are exactly those of the mapping.
         let header = SafetensorsHeader::from_bytes(path, &map)?;

@@ -28,11 +28,16 @@ fn same_shapes() -> (Sequential<Dyn>, Vec<Layer>) {
 }
 
 /// Writes `model`'s weights to a folder and offloads every block from it,
-/// all hooks sharing one pool.
+/// all hooks sharing one pool; weights are read, not mapped.
 fn offload_with_pool(model: &dyn Model, dir: &std::path::Path) -> Arc<StagingPool> {
+    offload_from_folder(model, dir, false)
+}
+
+fn offload_from_folder(model: &dyn Model, dir: &std::path::Path, map: bool) -> Arc<StagingPool> {
     let state = model.named_tensors();
     offload_state_dict(dir, state.iter().map(|(n, t)| (n.as_str(), t))).unwrap();
-    let loader = Arc::new(OffloadedWeightsLoader::open(dir).unwrap());
+    let loader = OffloadedWeightsLoader::open(dir).unwrap().with_mapping(map);
+    let loader = Arc::new(loader);
     let pool = Arc::new(StagingPool::new());
     for part in model.blocks() {
         let hook = AlignDevicesHook::new(Device::Cpu)
@@ -95,6 +100,52 @@ fn consecutive_blocks_of_one_shape_read_into_the_same_buffers_with_their_own_val
     assert_eq!((stats.allocated, stats.reused), (2, 10));
     // Between forwards the pool holds one block's weights and biases.
     assert_eq!(stats.free_bytes, (8 * 8 + 8) * 4);
+    assert!(model
+        .blocks
+        .iter()
+        .all(|b| b.weights().resident_bytes() == 0));
+}
+
+/// Records whether each block's weights are mapped file pages during its forward.
+struct MappedProbe {
+    seen: Arc<Mutex<Vec<bool>>>,
+}
+
+impl ModelHook for MappedProbe {
+    fn pre_forward(&mut self, w: &ModuleWeights, args: Activations) -> crate::Result<Activations> {
+        let mut seen = self.seen.lock().unwrap();
+        seen.extend(
+            w.tensors()
+                .iter()
+                .map(|(_, t)| accel_bigmodel::mapped::is_mapped(t)),
+        );
+        Ok(args)
+    }
+    fn name(&self) -> &'static str {
+        "MappedProbe"
+    }
+}
+
+#[test]
+fn with_the_allocator_installed_offloaded_weights_are_the_files_pages_only_during_the_forward() {
+    let (model, plain) = same_shapes();
+    let x = x8();
+    let expected = plain.iter().fold(x.clone(), |h, l| l.forward(&h).unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let pool = offload_from_folder(&model, dir.path(), true);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    for part in &model.blocks {
+        let probe = MappedProbe { seen: seen.clone() };
+        add_hook_to_module(part, Box::new(probe), true).unwrap();
+    }
+    for _ in 0..2 {
+        assert_eq!(bits(&model.forward_hidden(&x).unwrap()), bits(&expected));
+    }
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), 12, "2 forwards x 3 blocks x (weight, bias)");
+    assert!(seen.iter().all(|m| *m), "every weight mapped: {seen:?}");
+    // Nothing was staged, and nothing stays resident between forwards.
+    assert_eq!(pool.stats().allocated + pool.stats().reused, 0);
     assert!(model
         .blocks
         .iter()
