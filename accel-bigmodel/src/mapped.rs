@@ -234,9 +234,14 @@ fn drop_pages(slot: &Slot, state: &mut SlotState, start: usize, len: usize) {
 ///
 /// Install it in a program that loads checkpoints for inference:
 ///
-/// ```ignore
+/// ```
 /// #[global_allocator]
 /// static ALLOC: accel_bigmodel::MappedAlloc = accel_bigmodel::MappedAlloc::system();
+///
+/// fn main() {
+///     let _ = vec![0u8; 16]; // every allocation goes to the wrapped allocator
+///     assert!(accel_bigmodel::mapped::enabled() || std::env::var("ACCEL_MMAP_WEIGHTS").as_deref() == Ok("0"));
+/// }
 /// ```
 ///
 /// Loads then map CPU-resident and disk-offloaded weights instead of

@@ -25,8 +25,22 @@ use rayon::prelude::*;
 /// this kernel still won 4 of 5 Llama shapes, at 128 gemm won most).
 pub(crate) const MAX_ROWS: usize = 64;
 
-/// Rows of `w` per parallel task.
-const W_ROWS_PER_TASK: usize = 64;
+/// Bytes of `w` per parallel task: small enough to stay in a core's L2
+/// cache while every tile of `x` rows passes over them.
+const W_BYTES_PER_TASK: usize = 192 << 10;
+
+/// Rows of `w` per parallel task for rows of `k` elements and `m` rows of
+/// `x`: a multiple of 12, so that every tile height (1 to 4) divides it.
+fn w_rows_per_task(k: usize, m: usize) -> usize {
+    // With one tile of `x` rows, `w` is read once: no reuse to keep in L2,
+    // and larger tasks cost less scheduling.
+    let bytes = if m <= 4 {
+        4 * W_BYTES_PER_TASK
+    } else {
+        W_BYTES_PER_TASK
+    };
+    (bytes / (4 * k.max(1)) / 12 * 12).max(12)
+}
 
 /// `y [m, out] = x [m, k] @ w [out, k]^T`, both row-major.
 pub(crate) fn x_wt(x: &[f32], w: &[f32], m: usize, k: usize, out: usize) -> Vec<f32> {
@@ -41,9 +55,8 @@ pub(crate) fn x_wt(x: &[f32], w: &[f32], m: usize, k: usize, out: usize) -> Vec<
     // Tasks own disjoint row blocks of y^T, then y^T is transposed back
     // (m * out elements: small next to the weight).
     let mut yt = vec![0f32; out * m];
-    let tasks = yt
-        .par_chunks_mut(W_ROWS_PER_TASK * m)
-        .zip(w.par_chunks(W_ROWS_PER_TASK * k));
+    let rows = w_rows_per_task(k, m);
+    let tasks = yt.par_chunks_mut(rows * m).zip(w.par_chunks(rows * k));
     tasks.for_each(|(yt, w)| pulp::Arch::new().dispatch(Tiles { x, w, yt, m, k }));
     let mut y = vec![0f32; m * out];
     y.par_chunks_mut(out).enumerate().for_each(|(i, row)| {
@@ -68,34 +81,51 @@ impl WithSimd for Tiles<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) {
-        // 4 x 4 accumulators plus 5 operands fit AVX-512's 32 registers;
-        // with 16 (AVX2) a 4 x 2 tile avoids spills. Results are the same.
+        // A tile of RW `w` rows by RX `x` rows keeps RW x RX accumulators,
+        // RW `w` vectors and one `x` vector in registers: 4 x 4 fits
+        // AVX-512's 32, 3 x 4 AVX2's 16. Results are the same either way.
         if S::REGISTER_COUNT >= 32 {
-            self.run::<S, 4>(simd)
+            self.run::<S, 4, 4>(simd)
         } else {
-            self.run::<S, 2>(simd)
+            self.run::<S, 3, 4>(simd)
         }
     }
 }
 
 impl Tiles<'_> {
+    /// Each tile of `x` rows (RX x k, in L1) passes over all of the task's
+    /// `w` rows (in L2, see `W_BYTES_PER_TASK`): per step a tile loads RW
+    /// vectors from L2 and RX from L1 for RW x RX multiply-adds. The other
+    /// order (a `w` tile against every `x` row) streams both from L2.
     #[inline(always)]
-    fn run<S: Simd, const RX: usize>(self, simd: S) {
-        const RW: usize = 4;
+    fn run<S: Simd, const RW: usize, const RX: usize>(self, simd: S) {
         let Tiles { x, w, yt, m, k } = self;
         let rows = w.len() / k;
         let full_w = rows / RW * RW;
         let full_x = m / RX * RX;
-        for o in (0..full_w).step_by(RW) {
-            for i in (0..full_x).step_by(RX) {
+        for i in (0..full_x).step_by(RX) {
+            for o in (0..full_w).step_by(RW) {
                 tile::<S, RW, RX>(simd, x, w, yt, (o, i), m, k);
             }
-            for i in full_x..m {
-                tile::<S, RW, 1>(simd, x, w, yt, (o, i), m, k);
+            for o in full_w..rows {
+                tile::<S, 1, RX>(simd, x, w, yt, (o, i), m, k);
             }
         }
-        for o in full_w..rows {
-            for i in 0..m {
+        // The rows left over: two at a time, then one.
+        let pairs = full_x + (m - full_x) / 2 * 2;
+        for i in (full_x..pairs).step_by(2) {
+            for o in (0..full_w).step_by(RW) {
+                tile::<S, RW, 2>(simd, x, w, yt, (o, i), m, k);
+            }
+            for o in full_w..rows {
+                tile::<S, 1, 2>(simd, x, w, yt, (o, i), m, k);
+            }
+        }
+        for i in pairs..m {
+            for o in (0..full_w).step_by(RW) {
+                tile::<S, RW, 1>(simd, x, w, yt, (o, i), m, k);
+            }
+            for o in full_w..rows {
                 tile::<S, 1, 1>(simd, x, w, yt, (o, i), m, k);
             }
         }
