@@ -1,5 +1,55 @@
 //! Torch dtype names and Accelerate's per-element sizes for them.
 
+/// Evaluates `$body` with `$T` bound to the element type of `$dtype` when
+/// candle holds that dtype as a plain (`bytemuck::Pod`) Rust type, else
+/// `$other`: the one table of those types for the crate's raw-byte paths
+/// (reading offloaded weights, tensors over mapped files).
+macro_rules! with_pod_type {
+    ($dtype:expr, |$T:ident| $body:expr, _ => $other:expr) => {{
+        use candle_core::DType as D;
+        match $dtype {
+            D::F32 => {
+                type $T = f32;
+                $body
+            }
+            D::F64 => {
+                type $T = f64;
+                $body
+            }
+            D::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            D::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            D::I64 => {
+                type $T = i64;
+                $body
+            }
+            D::I32 => {
+                type $T = i32;
+                $body
+            }
+            D::I16 => {
+                type $T = i16;
+                $body
+            }
+            D::U32 => {
+                type $T = u32;
+                $body
+            }
+            D::U8 => {
+                type $T = u8;
+                $body
+            }
+            _ => $other,
+        }
+    }};
+}
+pub(crate) use with_pod_type;
+
 use crate::bytes::Bytes;
 use crate::error::{Error, Result};
 use std::fmt;

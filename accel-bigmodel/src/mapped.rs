@@ -33,9 +33,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Tensor, WithDType};
-use half::{bf16, f16};
 use memmap2::{Mmap, MmapMut, MmapOptions, UncheckedAdvice};
 
+use crate::dtype::with_pod_type;
 use crate::error::{Error, Result};
 
 /// Maps `file` read-only (the headers and bytes of [`crate::MmapFile`]).
@@ -411,18 +411,7 @@ impl MappedRegion {
             return None;
         }
         let start = self.base + offset;
-        match dtype {
-            DType::F32 => self.claim::<f32>(start, n, shape),
-            DType::BF16 => self.claim::<bf16>(start, n, shape),
-            DType::F16 => self.claim::<f16>(start, n, shape),
-            DType::F64 => self.claim::<f64>(start, n, shape),
-            DType::I64 => self.claim::<i64>(start, n, shape),
-            DType::I32 => self.claim::<i32>(start, n, shape),
-            DType::I16 => self.claim::<i16>(start, n, shape),
-            DType::U32 => self.claim::<u32>(start, n, shape),
-            DType::U8 => self.claim::<u8>(start, n, shape),
-            _ => None,
-        }
+        with_pod_type!(dtype, |T| self.claim::<T>(start, n, shape), _ => None)
     }
 
     fn claim<T: WithDType + bytemuck::Pod>(

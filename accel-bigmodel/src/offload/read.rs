@@ -11,8 +11,8 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, WithDType};
-use half::{bf16, f16};
 
+use crate::dtype::with_pod_type;
 use crate::error::{Error, Result};
 
 fn open(path: &Path) -> Result<File> {
@@ -25,8 +25,8 @@ fn open(path: &Path) -> Result<File> {
     })
 }
 
-/// Reads `bytes` bytes at `offset` of `path` as a new `dtype` tensor of
-/// `shape` (a scalar is stored as one element).
+/// Reads the tensor of `dtype` and `shape` stored at `offset` of `path` (a
+/// scalar is stored as one element).
 pub(super) fn read_tensor(
     path: &Path,
     offset: u64,
@@ -44,25 +44,19 @@ pub(super) fn read_tensor(
         Ok(Tensor::from_vec(v, n, &Device::Cpu).and_then(|t| t.reshape(shape)))
     }
     let file = open(path)?;
-    let t = match dtype {
-        DType::F32 => typed::<f32>(&file, offset, shape),
-        DType::F64 => typed::<f64>(&file, offset, shape),
-        DType::F16 => typed::<f16>(&file, offset, shape),
-        DType::BF16 => typed::<bf16>(&file, offset, shape),
-        DType::I64 => typed::<i64>(&file, offset, shape),
-        DType::I32 => typed::<i32>(&file, offset, shape),
-        DType::I16 => typed::<i16>(&file, offset, shape),
-        DType::U32 => typed::<u32>(&file, offset, shape),
-        _ => typed::<u8>(&file, offset, shape),
-    };
+    let t = with_pod_type!(dtype, |T| typed::<T>(&file, offset, shape), _ => {
+        // Every dtype an index or header entry resolves to has a plain
+        // element type (`dtype_from_numpy`, `candle_dtype`).
+        let reason = format!("no plain element type for {dtype:?}");
+        Err(std::io::Error::new(std::io::ErrorKind::Unsupported, reason))
+    });
     Ok(t.map_err(|e| Error::io("reading", path, e))??)
 }
 
 /// Reads the bytes at `offset` of `path` over all of `dst`, a contiguous CPU
 /// tensor whose dtype is the stored one: the weight lands in memory that is
 /// already faulted in, with no allocation. `Ok(false)` for a dtype candle
-/// has no plain element type for (sub-byte and f8 formats), left to
-/// [`read_tensor`].
+/// has no plain element type for (sub-byte and f8 formats).
 pub(super) fn read_into(path: &Path, offset: u64, dst: &Tensor) -> Result<bool> {
     fn typed<T: WithDType + bytemuck::Pod>(path: &Path, offset: u64, dst: &Tensor) -> Result<bool> {
         let file = open(path)?;
@@ -74,16 +68,5 @@ pub(super) fn read_into(path: &Path, offset: u64, dst: &Tensor) -> Result<bool> 
         io.map_err(|e| Error::io("reading", path, e))?;
         Ok(true)
     }
-    match dst.dtype() {
-        DType::F32 => typed::<f32>(path, offset, dst),
-        DType::F64 => typed::<f64>(path, offset, dst),
-        DType::F16 => typed::<f16>(path, offset, dst),
-        DType::BF16 => typed::<bf16>(path, offset, dst),
-        DType::I64 => typed::<i64>(path, offset, dst),
-        DType::I32 => typed::<i32>(path, offset, dst),
-        DType::I16 => typed::<i16>(path, offset, dst),
-        DType::U32 => typed::<u32>(path, offset, dst),
-        DType::U8 => typed::<u8>(path, offset, dst),
-        _ => Ok(false),
-    }
+    with_pod_type!(dst.dtype(), |T| typed::<T>(path, offset, dst), _ => Ok(false))
 }
