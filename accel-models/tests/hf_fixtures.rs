@@ -234,6 +234,35 @@ fn dispatched_with_cpu_and_disk_offload_gives_transformers_logits_and_tokens() {
 }
 
 #[test]
+fn a_tied_head_dispatched_to_the_cpu_shares_the_embeddings_tensor() {
+    for name in ["qwen2", "gpt2"] {
+        let empty = AutoModel::empty(fixture(name), DType::F32).unwrap();
+        let mut map = DeviceMap::new();
+        for b in empty.blocks() {
+            map.insert(b.name(), Placement::Cpu);
+        }
+        let opts = LoadDispatchOptions {
+            device_map: DeviceMapChoice::Map(map),
+            dtype: None,
+            offload_folder: None,
+            main_device: None,
+        };
+        let (model, _) = AutoModel::load_dispatched(fixture(name), &opts).unwrap();
+        // Each block's own handle: the embeddings' and the head's.
+        let keys: Vec<_> = model
+            .blocks()
+            .iter()
+            .flat_map(|b| b.weights().tensors())
+            .filter(|(n, _)| n.ends_with("embed_tokens.weight") || n == "transformer.wte.weight")
+            .map(|(_, t)| accel_kernels::storage_key(&t))
+            .collect();
+        assert_eq!(keys.len(), 2, "{name}: the embeddings and the tied head");
+        assert_eq!(keys[0], keys[1], "{name}: one tensor, not a copy");
+        check_logits(name, &model, "dispatched, tied head shared");
+    }
+}
+
+#[test]
 fn bert_dispatched_with_disk_offload_matches() {
     let r = reference("bert");
     let empty = AutoModel::empty(fixture("bert"), DType::F32).unwrap();

@@ -1,6 +1,7 @@
 //! Placing a model's blocks by a device map (Accelerate's `dispatch_model` and
 //! `load_checkpoint_and_dispatch`).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -262,8 +263,13 @@ pub fn load_checkpoint_and_dispatch(
     drop(source);
     // Every resident weight is read first, in parallel: each read lands in
     // fresh memory whose pages the kernel faults in and zero-fills, per core
-    // (that, not the copy, is most of a load), so two threads halve it.
+    // (that, not the copy, is most of a load), so two threads halve it. A
+    // weight that two parts share (a head tied to the embeddings) is read
+    // once per device and dtype, and both parts hold the same tensor, as
+    // both modules hold the same parameter in PyTorch.
     let mut reads = Vec::new();
+    let mut slots = Vec::new();
+    let mut first_read: HashMap<(String, String, DType), usize> = HashMap::new();
     for (part, (name, placement)) in model.blocks().into_iter().zip(&placements) {
         let device = match placement {
             Placement::Gpu(i) => cuda_device(name, *i)?,
@@ -274,20 +280,26 @@ pub fn load_checkpoint_and_dispatch(
                 .dtype
                 .filter(|_| t.dtype().is_float())
                 .unwrap_or(t.dtype());
-            let value = match placement {
-                Placement::Disk => Some(accel_bigmodel::placeholder(
-                    t.shape().clone(),
-                    dtype,
-                    &device,
-                )?),
-                _ => None,
+            let read = match placement {
+                Placement::Disk => {
+                    let empty = accel_bigmodel::placeholder(t.shape().clone(), dtype, &device)?;
+                    reads.push((n.clone(), device.clone(), dtype, Some(empty)));
+                    reads.len() - 1
+                }
+                _ => {
+                    let key = (n.clone(), format!("{:?}", device.location()), dtype);
+                    *first_read.entry(key).or_insert_with(|| {
+                        reads.push((n.clone(), device.clone(), dtype, None));
+                        reads.len() - 1
+                    })
+                }
             };
-            reads.push((part.weights(), n, device.clone(), dtype, value));
+            slots.push((part.weights(), n, read));
         }
     }
     let values = reads
         .par_iter()
-        .map(|(_, n, device, dtype, value)| match value {
+        .map(|(n, device, dtype, value)| match value {
             Some(placeholder) => Ok(placeholder.clone()),
             None => Ok(accel_bigmodel::checkpoint::convert(
                 loader.load(n, device)?,
@@ -295,8 +307,8 @@ pub fn load_checkpoint_and_dispatch(
             )?),
         })
         .collect::<Result<Vec<_>>>()?;
-    for ((weights, n, ..), value) in reads.iter().zip(values) {
-        weights.set(n, value)?;
+    for (weights, n, read) in slots {
+        weights.set(&n, values[read].clone())?;
     }
     let dispatch = DispatchOptions {
         main_device: opts.main_device.clone(),
