@@ -71,6 +71,8 @@ static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// Slots holding a mapping: zero means no pointer can be mapped, so freeing
 /// costs one load more than the inner allocator.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+/// One past the highest slot ever used: frees scan only that far.
+static USED: AtomicUsize = AtomicUsize::new(0);
 static REGISTRY: [Slot; SLOTS] = [const { Slot::new() }; SLOTS];
 
 struct Slot {
@@ -151,7 +153,8 @@ fn slot_of(p: usize) -> Option<&'static Slot> {
     if ACTIVE.load(Ordering::Acquire) == 0 {
         return None;
     }
-    REGISTRY.iter().find(|s| s.contains(p))
+    let used = USED.load(Ordering::Acquire).min(SLOTS);
+    REGISTRY[..used].iter().find(|s| s.contains(p))
 }
 
 /// Ends the `Vec` starting at `p` if it lies in a mapping: drops its pages
@@ -393,6 +396,7 @@ impl MappedRegion {
             state.handle = true;
             slot.hi.store(base + len, Ordering::SeqCst);
             slot.lo.store(base, Ordering::SeqCst);
+            USED.fetch_max(i + 1, Ordering::SeqCst);
             ACTIVE.fetch_add(1, Ordering::SeqCst);
             return Ok(Some(Arc::new(MappedRegion { slot: i, base, len })));
         }
