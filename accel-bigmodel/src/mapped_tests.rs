@@ -224,3 +224,42 @@ fn a_checkpoint_source_maps_cpu_tensors_in_their_stored_dtype() {
     drop(source);
     assert_eq!(bits(&mw), bits(&w));
 }
+
+#[test]
+fn threads_claiming_and_dropping_tensors_over_shared_files_see_the_files_values() {
+    // Four threads, each opening its own handles to two shared files and
+    // taking tensors over them, in different orders, while the others do
+    // the same: every tensor handed out holds the file's values and the
+    // same bytes are never handed out twice at once.
+    let dir = tempfile::tempdir().unwrap();
+    let sub = |i: usize| {
+        let d = dir.path().join(i.to_string());
+        std::fs::create_dir(&d).unwrap();
+        write_file(&d)
+    };
+    let files = [sub(0), sub(1)];
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let files = &files;
+            s.spawn(move || {
+                for round in 0..50 {
+                    let (path, w, b, at) = &files[(t + round) % 2];
+                    let region = MappedRegion::open(path).unwrap().unwrap();
+                    let mw = region.tensor(at["w"], DType::F32, &[3, 1024]);
+                    let mb = region.tensor(at["b"], DType::BF16, &[5]);
+                    if let Some(mw) = &mw {
+                        assert_eq!(bits(mw), bits(w));
+                        assert!(region.tensor(at["w"], DType::F32, &[3, 1024]).is_none());
+                        // Grow the storage of a copy: the mapping is untouched.
+                        let grown = mw.pad_with_zeros(0, 0, 1).unwrap();
+                        assert_eq!(grown.dims(), [4, 1024]);
+                    }
+                    if let Some(mb) = &mb {
+                        assert_eq!(bits(mb), bits(b));
+                    }
+                    drop((mw, mb, region));
+                }
+            });
+        }
+    });
+}
