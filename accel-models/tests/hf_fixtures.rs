@@ -263,6 +263,34 @@ fn a_tied_head_dispatched_to_the_cpu_shares_the_embeddings_tensor() {
 }
 
 #[test]
+fn a_python_map_placing_buffer_only_modules_dispatches_and_an_unknown_key_is_named() {
+    let empty = AutoModel::empty(fixture("llama"), DType::F32).unwrap();
+    let mut map = cpu_disk_map(&empty);
+    // transformers' LlamaRotaryEmbedding holds only non-persistent buffers.
+    map.insert("model.rotary_emb".to_string(), Placement::Cpu);
+    let opts = |map: DeviceMap| LoadDispatchOptions {
+        device_map: DeviceMapChoice::Map(map),
+        dtype: None,
+        offload_folder: None,
+        main_device: None,
+    };
+    accel_nn::load_checkpoint_and_dispatch(&empty, fixture("llama"), &opts(map.clone())).unwrap();
+    check_logits(
+        "llama",
+        &empty,
+        "dispatched from a map with model.rotary_emb",
+    );
+    let empty = AutoModel::empty(fixture("llama"), DType::F32).unwrap();
+    map.insert("model.rotary".to_string(), Placement::Cpu);
+    let err = accel_nn::load_checkpoint_and_dispatch(&empty, fixture("llama"), &opts(map));
+    let err = err.unwrap_err().to_string();
+    assert!(
+        err.contains("model.rotary") && err.contains("no module"),
+        "{err}"
+    );
+}
+
+#[test]
 fn bert_dispatched_with_disk_offload_matches() {
     let r = reference("bert");
     let empty = AutoModel::empty(fixture("bert"), DType::F32).unwrap();

@@ -54,9 +54,20 @@ fn covers(key: &str, name: &str) -> bool {
 /// model and that no part is split across devices.
 fn part_placements(model: &dyn Model, map: &DeviceMap) -> Result<Vec<(String, Placement)>> {
     let vars = model.named_tensors();
+    // Python's maps also place modules that hold only buffers the model
+    // recomputes (`model.rotary_emb`): keys naming a module or tensor of the
+    // model's tree are known too; they place nothing.
+    let mut tree = None;
     for key in map.keys() {
         let known = vars.iter().any(|(n, _)| covers(key, n))
-            || model.blocks().iter().any(|p| p.name() == key);
+            || model.blocks().iter().any(|p| p.name() == key)
+            || {
+                let tree = match &tree {
+                    Some(t) => t,
+                    None => tree.insert(model.tree(None)?),
+                };
+                tree.module_id(key).is_some() || tree.tensor_id(key).is_some()
+            };
         if !known {
             return Err(BmError::InvalidDeviceMap {
                 module: key.to_string(),
@@ -112,6 +123,8 @@ fn cuda_device(module: &str, ordinal: usize) -> accel_bigmodel::Result<Device> {
 /// weights per forward from `opts.weights_map` when that holds them (zero
 /// copy from a checkpoint), else from `opts.offload_dir`, which is written
 /// from the part's current weights unless its index already lists them.
+/// A map as Python writes it may also place modules that hold only buffers
+/// the model recomputes (`model.rotary_emb`); such keys place nothing.
 ///
 /// # Errors
 /// [`accel_bigmodel::Error::InvalidDeviceMap`] naming a key that matches nothing, a part
