@@ -90,10 +90,19 @@ fn a_plain_fp32_load_maps_each_checkpoint_tensor_and_a_bf16_load_converts() {
         let mapped = tensors
             .iter()
             .filter(|(_, t)| accel_bigmodel::mapped::is_mapped(t));
-        // A tied head asks for the embedding's bytes a second time: that
-        // request gets a copy, never the same pages twice.
         let source = accel_bigmodel::CheckpointSource::open(fixture(name)).unwrap();
         assert_eq!(mapped.count(), source.len(), "{name}");
+        // A tied head holds the embeddings' own tensor.
+        let mut keys: Vec<_> = model
+            .blocks()
+            .iter()
+            .flat_map(|b| b.weights().tensors())
+            .map(|(n, t)| (n, accel_kernels::storage_key(&t)))
+            .collect();
+        keys.sort();
+        keys.dedup();
+        let names: std::collections::BTreeSet<_> = keys.iter().map(|(n, _)| n).collect();
+        assert_eq!(keys.len(), names.len(), "{name}: a name with two storages");
         let model = AutoModel::load(fixture(name), DType::BF16, &Device::Cpu).unwrap();
         let tensors = model.named_tensors();
         assert!(tensors

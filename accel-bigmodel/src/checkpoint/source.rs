@@ -1,10 +1,10 @@
 //! [`CheckpointSource`]: a memory-mapped checkpoint (one file or a shard set)
 //! that finds tensors by name and materialises them on a device.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
@@ -47,7 +47,9 @@ impl TensorLocation<'_> {
 /// It is also a candle `SimpleBackend`, so a model can be built straight from
 /// it: `VarBuilder::from_backend(Box::new(source), dtype, device)`; each
 /// tensor is then checked against the shape the model asks for and converted
-/// to the builder's dtype.
+/// to the builder's dtype. A tensor over the mapped file (see
+/// [`crate::mapped`]) is handed out again when the model asks for the same
+/// name twice (a head tied to the embeddings), so both share it.
 #[derive(Debug)]
 pub struct CheckpointSource {
     checkpoint: PathBuf,
@@ -57,6 +59,10 @@ pub struct CheckpointSource {
     // Per file: its copy-on-write mapping for tensors over its pages, opened
     // on first use (`None`: tensors cannot be mapped, see `crate::mapped`).
     regions: Vec<OnceLock<Option<Arc<MappedRegion>>>>,
+    // Mapped tensors handed to models built on this source, by name: a name
+    // asked for again (a head tied to the embeddings) gets the same tensor,
+    // as tied modules share one parameter in PyTorch, instead of a copy.
+    built: Mutex<HashMap<String, Tensor>>,
 }
 
 impl CheckpointSource {
@@ -90,6 +96,7 @@ impl CheckpointSource {
             checkpoint: checkpoint.to_path_buf(),
             files,
             regions: mapped.iter().map(|_| OnceLock::new()).collect(),
+            built: Mutex::new(HashMap::new()),
             mapped,
             by_name,
         })
@@ -172,6 +179,22 @@ impl CheckpointSource {
 }
 
 impl CheckpointSource {
+    /// `name` for a model being built on this source: a mapped tensor is
+    /// kept, and handed out again to a later request for the same name.
+    fn for_model(&self, name: &str, device: &Device, dtype: DType) -> Result<Tensor> {
+        let mut built = self.built.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = built.get(name) {
+            if device.is_cpu() && t.dtype() == dtype {
+                return Ok(t.clone());
+            }
+        }
+        let t = self.tensor(name, device, Some(dtype))?;
+        if crate::mapped::is_mapped(&t) {
+            built.insert(name.to_string(), t.clone());
+        }
+        Ok(t)
+    }
+
     /// `name` of file `i` over the file's pages, when it is stored as
     /// `dtype` (or `dtype` is `None`) and can be mapped.
     fn mapped_tensor(&self, i: usize, name: &str, dtype: Option<DType>) -> Option<Tensor> {
@@ -228,7 +251,7 @@ impl candle_nn::var_builder::SimpleBackend for CheckpointSource {
                 got: location.shape().to_vec(),
             }));
         }
-        self.tensor(name, device, Some(dtype))
+        self.for_model(name, device, dtype)
             .map_err(candle_core::Error::wrap)
     }
 
@@ -238,7 +261,7 @@ impl candle_nn::var_builder::SimpleBackend for CheckpointSource {
         dtype: DType,
         device: &Device,
     ) -> candle_core::Result<Tensor> {
-        self.tensor(name, device, Some(dtype))
+        self.for_model(name, device, dtype)
             .map_err(candle_core::Error::wrap)
     }
 
