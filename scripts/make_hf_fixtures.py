@@ -107,6 +107,22 @@ def device_maps(model, no_split):
     return out
 
 
+BERT_TOKEN_TYPES = [[0, 0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0, 0]]
+
+
+def bert_token_types_reference(folder, input_ids, attention_mask):
+    """The last hidden state with segment ids (`token_type_ids`) given."""
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    ids, mask = torch.tensor(input_ids), torch.tensor(attention_mask)
+    types = torch.tensor(BERT_TOKEN_TYPES)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    return {
+        "token_type_ids": BERT_TOKEN_TYPES,
+        "last_hidden_state_with_token_types": out.last_hidden_state.tolist(),
+    }
+
+
 def bert_reference(folder, input_ids, attention_mask):
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     ids, mask = torch.tensor(input_ids), torch.tensor(attention_mask)
@@ -123,6 +139,7 @@ def bert_reference(folder, input_ids, attention_mask):
         "pooler_output": out.pooler_output.tolist(),
         "mean_pooled": mean.tolist(),
         "device_maps": device_maps(model, "BertLayer"),
+        **bert_token_types_reference(folder, input_ids, attention_mask),
     }
 
 

@@ -6,10 +6,9 @@
 //! under `bert.` for checkpoints saved from a task model. The padding mask
 //! travels between blocks as [`Activations::attention_bias`].
 //!
-//! The embeddings block takes token ids `[b, t]`, or `[b, t, 2]` holding
-//! ids and token type ids side by side: [`Activations`] has no field for
-//! token types, and packing them keeps the block's input one tensor that
-//! offload hooks move like any other.
+//! The embeddings block takes token ids `[b, t]` as the hidden states and
+//! the segment ids, if any, as [`Activations::token_type_ids`] (which
+//! offload hooks move with the rest).
 
 use std::path::Path;
 
@@ -58,17 +57,15 @@ impl BertEmbeddings {
 
 impl BlockForward for BertEmbeddings {
     fn forward(&self, x: &Activations) -> candle_core::Result<Tensor> {
-        let (ids, types) = match x.hidden.rank() {
-            3 => (
-                x.hidden.narrow(2, 0, 1)?.squeeze(2)?,
-                x.hidden.narrow(2, 1, 1)?.squeeze(2)?,
-            ),
-            _ => (x.hidden.clone(), x.hidden.zeros_like()?),
+        let ids = &x.hidden;
+        let types = match &x.token_type_ids {
+            Some(types) => types.clone(),
+            None => ids.zeros_like()?,
         };
         let t = ids.dim(1)?;
         let start = x.position_offset as u32;
         let positions = Tensor::arange(start, start + t as u32, ids.device())?;
-        let e = self.word.forward(&ids)?;
+        let e = self.word.forward(ids)?;
         let e = (e + self.token_type.forward(&types)?)?;
         let e = e.broadcast_add(&self.position.forward(&positions)?)?;
         self.layer_norm.forward(&e)
@@ -257,11 +254,8 @@ impl Bert {
                 self.cfg.max_position_embeddings
             );
         }
-        let input = match token_type_ids {
-            Some(tt) => Tensor::stack(&[ids, &tt.to_dtype(ids.dtype())?], 2)?,
-            None => ids.clone(),
-        };
-        let mut x = Activations::new(input);
+        let mut x = Activations::new(ids.clone());
+        x.token_type_ids = token_type_ids.cloned();
         x.hidden = self.embeddings.forward(&x)?;
         x.attention_bias = attention_mask
             .map(|m| padding_bias(m, x.hidden.dtype()))

@@ -300,6 +300,38 @@ fn a_python_map_placing_buffer_only_modules_dispatches_and_an_unknown_key_is_nam
 }
 
 #[test]
+fn bert_with_token_type_ids_matches_transformers_plain_and_offloaded() {
+    let r = reference("bert");
+    let ids = ids_tensor(&r["input_ids"]);
+    let mask = ids_tensor(&r["attention_mask"]);
+    let types = ids_tensor(&r["token_type_ids"]);
+    let want = &r["last_hidden_state_with_token_types"];
+    let bert = Bert::load(fixture("bert"), DType::F32, &Device::Cpu).unwrap();
+    let h = bert.forward(&ids, Some(&mask), Some(&types)).unwrap();
+    assert!(max_diff(&h, want) < TOL, "plain: {}", max_diff(&h, want));
+    // The segment ids do matter: without them the states differ.
+    let h0 = bert.forward(&ids, Some(&mask), None).unwrap();
+    assert!(max_diff(&h0, want) > 1e-2);
+    let empty = AutoModel::empty(fixture("bert"), DType::F32).unwrap();
+    let opts = LoadDispatchOptions {
+        device_map: DeviceMapChoice::Map(cpu_disk_map(&empty)),
+        dtype: None,
+        offload_folder: None,
+        main_device: None,
+    };
+    let (model, _) = AutoModel::load_dispatched(fixture("bert"), &opts).unwrap();
+    let AutoModel::Bert(bert) = model else {
+        panic!("the bert fixture loads as BERT")
+    };
+    let h = bert.forward(&ids, Some(&mask), Some(&types)).unwrap();
+    assert!(
+        max_diff(&h, want) < TOL,
+        "offloaded: {}",
+        max_diff(&h, want)
+    );
+}
+
+#[test]
 fn bert_dispatched_with_disk_offload_matches() {
     let r = reference("bert");
     let empty = AutoModel::empty(fixture("bert"), DType::F32).unwrap();

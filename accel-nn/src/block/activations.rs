@@ -10,7 +10,8 @@ use crate::layers::KvCache;
 pub type KvCacheSlot = Arc<Mutex<KvCache>>;
 
 /// The input of a block: the hidden states and what the model computed once
-/// for all blocks (masks, rotary tables, positions, a cache slot, labels).
+/// for all blocks (masks, rotary tables, positions, a cache slot, labels,
+/// token types).
 ///
 /// Hooks see all of it: a device-placement hook moves every tensor here to
 /// the block's execution device. Only [`Activations::hidden`] carries
@@ -33,6 +34,9 @@ pub struct Activations {
     /// Targets for a head block that computes the loss itself (fused output
     /// projection and cross-entropy), `[b, t]`.
     pub labels: Option<Tensor>,
+    /// Segment ids `[b, t]` for an embedding block that adds token-type
+    /// embeddings (BERT's `token_type_ids`); `None` means all zeros.
+    pub token_type_ids: Option<Tensor>,
     /// Training mode (dropout active).
     pub train: bool,
 }
@@ -47,6 +51,7 @@ impl Activations {
             position_offset: 0,
             cache: None,
             labels: None,
+            token_type_ids: None,
             train: false,
         }
     }
@@ -88,6 +93,7 @@ impl Activations {
             position_offset: self.position_offset,
             cache: self.cache.clone(),
             labels: self.labels.as_ref().map(mv).transpose()?,
+            token_type_ids: self.token_type_ids.as_ref().map(mv).transpose()?,
             train: self.train,
         })
     }
@@ -99,6 +105,7 @@ impl Activations {
             attention_bias: self.attention_bias.as_ref().map(Tensor::detach),
             rope: self.rope.as_ref().map(|(c, s)| (c.detach(), s.detach())),
             labels: self.labels.as_ref().map(Tensor::detach),
+            token_type_ids: self.token_type_ids.as_ref().map(Tensor::detach),
             ..self.clone()
         }
     }
