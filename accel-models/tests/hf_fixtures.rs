@@ -299,6 +299,22 @@ fn a_python_map_placing_buffer_only_modules_dispatches_and_an_unknown_key_is_nam
     );
 }
 
+/// The BERT fixture with every other block on disk, read from the checkpoint.
+fn offloaded_bert() -> Bert {
+    let empty = AutoModel::empty(fixture("bert"), DType::F32).unwrap();
+    let opts = LoadDispatchOptions {
+        device_map: DeviceMapChoice::Map(cpu_disk_map(&empty)),
+        dtype: None,
+        offload_folder: None,
+        main_device: None,
+    };
+    let (model, _) = AutoModel::load_dispatched(fixture("bert"), &opts).unwrap();
+    let AutoModel::Bert(bert) = model else {
+        panic!("the bert fixture loads as BERT")
+    };
+    bert
+}
+
 #[test]
 fn bert_with_token_type_ids_matches_transformers_plain_and_offloaded() {
     let r = reference("bert");
@@ -312,17 +328,7 @@ fn bert_with_token_type_ids_matches_transformers_plain_and_offloaded() {
     // The segment ids do matter: without them the states differ.
     let h0 = bert.forward(&ids, Some(&mask), None).unwrap();
     assert!(max_diff(&h0, want) > 1e-2);
-    let empty = AutoModel::empty(fixture("bert"), DType::F32).unwrap();
-    let opts = LoadDispatchOptions {
-        device_map: DeviceMapChoice::Map(cpu_disk_map(&empty)),
-        dtype: None,
-        offload_folder: None,
-        main_device: None,
-    };
-    let (model, _) = AutoModel::load_dispatched(fixture("bert"), &opts).unwrap();
-    let AutoModel::Bert(bert) = model else {
-        panic!("the bert fixture loads as BERT")
-    };
+    let bert = offloaded_bert();
     let h = bert.forward(&ids, Some(&mask), Some(&types)).unwrap();
     assert!(
         max_diff(&h, want) < TOL,
@@ -334,17 +340,7 @@ fn bert_with_token_type_ids_matches_transformers_plain_and_offloaded() {
 #[test]
 fn bert_dispatched_with_disk_offload_matches() {
     let r = reference("bert");
-    let empty = AutoModel::empty(fixture("bert"), DType::F32).unwrap();
-    let opts = LoadDispatchOptions {
-        device_map: DeviceMapChoice::Map(cpu_disk_map(&empty)),
-        dtype: None,
-        offload_folder: None,
-        main_device: None,
-    };
-    let (model, _) = AutoModel::load_dispatched(fixture("bert"), &opts).unwrap();
-    let AutoModel::Bert(bert) = model else {
-        panic!("not a BERT")
-    };
+    let bert = offloaded_bert();
     let h = bert
         .forward(
             &ids_tensor(&r["input_ids"]),
