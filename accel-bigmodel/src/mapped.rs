@@ -323,9 +323,38 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for MappedAlloc<A> {
 }
 
 /// Whether loads map tensors: [`MappedAlloc`] is the global allocator and
-/// `ACCEL_MMAP_WEIGHTS` is not `0`.
+/// `ACCEL_MMAP_WEIGHTS` does not turn it off (`0`, `false`, `no`, `off`).
+///
+/// A setting that asks for mapping where it cannot act (no allocator) or
+/// that is not a yes/no word is named in a warning, once.
 pub fn enabled() -> bool {
-    INSTALLED.load(Ordering::Relaxed) && std::env::var("ACCEL_MMAP_WEIGHTS").as_deref() != Ok("0")
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    let installed = INSTALLED.load(Ordering::Relaxed);
+    let setting = std::env::var("ACCEL_MMAP_WEIGHTS").ok();
+    let (on, notice) = read_setting(setting.as_deref(), installed);
+    if let Some(notice) = notice {
+        if !WARNED.swap(true, Ordering::Relaxed) {
+            let value = setting.unwrap_or_default();
+            tracing::warn!("ACCEL_MMAP_WEIGHTS={value} {notice}");
+        }
+    }
+    installed && on
+}
+
+const NO_ALLOCATOR: &str = "has no effect: this program does not install \
+    accel_bigmodel::MappedAlloc as its global allocator, so weights are read into memory";
+const NOT_A_WORD: &str =
+    "is not 0/1, false/true, no/yes or off/on; weights are mapped where possible";
+
+/// `ACCEL_MMAP_WEIGHTS` read: whether it lets loads map, and what to warn.
+fn read_setting(value: Option<&str>, installed: bool) -> (bool, Option<&'static str>) {
+    let word = value.map(|v| v.trim().to_ascii_lowercase());
+    match word.as_deref() {
+        None => (true, None),
+        Some("0" | "false" | "no" | "off") => (false, None),
+        Some("1" | "true" | "yes" | "on") => (true, (!installed).then_some(NO_ALLOCATOR)),
+        Some(_) => (true, Some(NOT_A_WORD)),
+    }
 }
 
 /// What is mapped now.

@@ -263,3 +263,13 @@ fn threads_claiming_and_dropping_tensors_over_shared_files_see_the_files_values(
         }
     });
 }
+
+#[test]
+fn the_setting_turns_mapping_off_and_names_what_cannot_act() {
+    assert_eq!(read_setting(None, true), (true, None));
+    assert_eq!(read_setting(Some(" OFF "), true), (false, None));
+    assert_eq!(read_setting(Some("0"), false), (false, None));
+    assert_eq!(read_setting(Some("1"), true), (true, None));
+    assert_eq!(read_setting(Some("yes"), false), (true, Some(NO_ALLOCATOR)));
+    assert_eq!(read_setting(Some("maybe"), true), (true, Some(NOT_A_WORD)));
+}
