@@ -1,11 +1,15 @@
 //! `accel device-map`: plan a device map from a model tree and a memory budget.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
+use accel_core::bigmodel::CheckpointSource;
 use accel_core::bigmodel::{
     compute_module_sizes, get_max_layer_size, infer_auto_device_map, DTypeName, MemorySize,
     ModuleTree, Placement, PlanOptions, SpecialDtypes,
 };
+use accel_core::models::AutoModel;
+use accel_core::nn::Model;
+use candle_core::DType;
 use serde_json::json;
 
 use accel_core::{Error, Result};
@@ -22,7 +26,10 @@ pub struct DeviceMapArgs {
     )]
     pub model_tree: Option<PathBuf>,
     /// Plan straight from a safetensors checkpoint (file, index or folder),
-    /// reading only the headers.
+    /// reading no tensor data: a folder with the `config.json` of an
+    /// architecture accel-models builds (Llama, Mistral, Qwen2, GPT-2, BERT) is
+    /// planned over that model's own module tree, as Accelerate plans the
+    /// transformers model; anything else from the headers alone.
     #[arg(long)]
     pub checkpoint: Option<PathBuf>,
     /// Budget per device, e.g. `0=10GiB,1=10GiB,cpu=64GB,disk=1TB` (GPU ordinals, `cpu`, `disk`).
@@ -87,11 +94,51 @@ pub fn read_model_tree(path: &std::path::Path) -> Result<ModuleTree> {
     ModuleTree::from_spec_json(tree_json).map_err(|e| json_err(e.to_string()))
 }
 
+/// The module tree of a checkpoint: for a folder whose `config.json` names an
+/// architecture accel-models builds, the model's own (its module order,
+/// layer classes for `--no-split`, tied weights and buffers: what Accelerate
+/// plans over for the transformers model); otherwise the safetensors
+/// headers', which know neither module order nor classes. Says on stderr
+/// which one it planned over.
+fn checkpoint_tree(ckpt: &Path) -> Result<ModuleTree> {
+    let config = ckpt.join("config.json");
+    if ckpt.is_dir() && config.is_file() {
+        match model_tree(ckpt) {
+            Ok(tree) => {
+                eprintln!(
+                    "accel device-map: planning over the model's own module tree ({})",
+                    config.display()
+                );
+                return Ok(tree);
+            }
+            Err(e) => eprintln!(
+                "accel device-map: {e}; planning from the safetensors headers \
+                 (module order and classes unknown)"
+            ),
+        }
+    }
+    Ok(ModuleTree::from_safetensors(ckpt)?)
+}
+
+/// The empty model of a checkpoint folder, in the dtype its floating-point
+/// weights are stored in, as a module tree.
+fn model_tree(dir: &Path) -> Result<ModuleTree> {
+    let source = CheckpointSource::open(dir)?;
+    let stored = source
+        .names()
+        .filter_map(|n| source.locate(n).and_then(|at| at.dtype()))
+        .find(|d| d.is_float())
+        .unwrap_or(DType::F32);
+    drop(source);
+    let model = AutoModel::empty(dir, stored)?;
+    Ok(model.tree(None)?)
+}
+
 /// Runs the plan and returns `{"module_sizes", "max_layer", "device_map", "warnings", "logs"}`.
 pub fn device_map(args: &DeviceMapArgs) -> Result<serde_json::Value> {
     let tree = match (&args.model_tree, &args.checkpoint) {
         (Some(path), _) => read_model_tree(path)?,
-        (None, Some(ckpt)) => ModuleTree::from_safetensors(ckpt)?,
+        (None, Some(ckpt)) => checkpoint_tree(ckpt)?,
         (None, None) => {
             return Err(config_err(
                 "--model-tree",

@@ -166,3 +166,66 @@ fn plans_and_estimates_straight_from_checkpoint_headers() {
     assert_eq!(rows[3]["dtype"], "int4");
     assert_eq!(rows[3]["training_peak"], Value::Null);
 }
+
+/// For a Hugging Face folder, `--checkpoint` plans over the model's own tree:
+/// every planning case transformers + Accelerate ran on the fixtures (their
+/// `reference.json`) gives Accelerate's map, with `model.embed_tokens` on the
+/// CPU first and each decoder layer whole, where the headers alone put
+/// `lm_head` first and split layers.
+#[test]
+fn a_hugging_face_folder_is_planned_as_accelerate_plans_the_transformers_model() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf");
+    for name in ["llama", "llama3", "mistral", "qwen2", "gpt2", "bert"] {
+        let folder = root.join(name);
+        let text = std::fs::read_to_string(folder.join("reference.json")).unwrap();
+        let reference: Value = serde_json::from_str(&text).unwrap();
+        for case in reference["device_maps"].as_array().unwrap() {
+            let mut args: Vec<String> = vec!["device-map".into()];
+            args.extend(flags(case));
+            args.push("--checkpoint".into());
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let got = accel_json(&args, &folder);
+            let want: Vec<(String, String)> =
+                serde_json::from_value(case["device_map"].clone()).unwrap();
+            let want: serde_json::Map<String, Value> =
+                want.into_iter().map(|(k, v)| (k, Value::from(v))).collect();
+            assert_eq!(got["device_map"], Value::Object(want), "{name}: {case}");
+        }
+    }
+}
+
+/// A folder whose `config.json` names no architecture accel-models builds is
+/// still planned, from the headers, with a notice naming the file and why.
+#[test]
+fn an_unknown_architecture_is_planned_from_the_headers_with_a_notice() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/llama");
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, text.replace("\"llama\"", "\"t5\"")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_accel"))
+        .args([
+            "device-map",
+            "--max-memory=cpu=53568,disk=1000000000",
+            "--checkpoint",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("config.json") && stderr.contains("t5"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("planning from the safetensors headers"),
+        "{stderr}"
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(got["device_map"].as_object().is_some_and(|m| !m.is_empty()));
+}
