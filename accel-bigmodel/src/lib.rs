@@ -30,9 +30,9 @@
 //! # Ok::<(), accel_bigmodel::Error>(())
 //! ```
 #![warn(missing_docs)]
-// Denied rather than forbidden so that `mapped.rs` (memory maps, tensors over
-// them and the allocator that frees those) can allow its audited `unsafe`;
-// nothing else may use it.
+// Denied rather than forbidden so that `mapped/mod.rs` (memory maps, tensors
+// over them and the allocator that frees those) can allow its audited
+// `unsafe`; nothing else may use it.
 #![deny(unsafe_code)]
 
 mod bytes;

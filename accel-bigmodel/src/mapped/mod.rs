@@ -35,6 +35,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use candle_core::{DType, Device, Tensor, WithDType};
 use memmap2::{Mmap, MmapMut, MmapOptions, UncheckedAdvice};
 
+mod setting;
+
+pub use setting::enabled;
+
 use crate::dtype::with_pod_type;
 use crate::error::{Error, Result};
 
@@ -67,7 +71,7 @@ const SLOTS: usize = 128;
 
 /// Set by [`MappedAlloc`] on its first allocation: only then may a `Vec`
 /// point into a mapping.
-static INSTALLED: AtomicBool = AtomicBool::new(false);
+pub(super) static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// Slots holding a mapping: zero means no pointer can be mapped, so freeing
 /// costs one load more than the inner allocator.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
@@ -322,41 +326,6 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for MappedAlloc<A> {
     }
 }
 
-/// Whether loads map tensors: [`MappedAlloc`] is the global allocator and
-/// `ACCEL_MMAP_WEIGHTS` does not turn it off (`0`, `false`, `no`, `off`).
-///
-/// A setting that asks for mapping where it cannot act (no allocator) or
-/// that is not a yes/no word is named in a warning, once.
-pub fn enabled() -> bool {
-    static WARNED: AtomicBool = AtomicBool::new(false);
-    let installed = INSTALLED.load(Ordering::Relaxed);
-    let setting = std::env::var("ACCEL_MMAP_WEIGHTS").ok();
-    let (on, notice) = read_setting(setting.as_deref(), installed);
-    if let Some(notice) = notice {
-        if !WARNED.swap(true, Ordering::Relaxed) {
-            let value = setting.unwrap_or_default();
-            tracing::warn!("ACCEL_MMAP_WEIGHTS={value} {notice}");
-        }
-    }
-    installed && on
-}
-
-const NO_ALLOCATOR: &str = "has no effect: this program does not install \
-    accel_bigmodel::MappedAlloc as its global allocator, so weights are read into memory";
-const NOT_A_WORD: &str =
-    "is not 0/1, false/true, no/yes or off/on; weights are mapped where possible";
-
-/// `ACCEL_MMAP_WEIGHTS` read: whether it lets loads map, and what to warn.
-fn read_setting(value: Option<&str>, installed: bool) -> (bool, Option<&'static str>) {
-    let word = value.map(|v| v.trim().to_ascii_lowercase());
-    match word.as_deref() {
-        None => (true, None),
-        Some("0" | "false" | "no" | "off") => (false, None),
-        Some("1" | "true" | "yes" | "on") => (true, (!installed).then_some(NO_ALLOCATOR)),
-        Some(_) => (true, Some(NOT_A_WORD)),
-    }
-}
-
 /// What is mapped now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MappedStats {
@@ -511,5 +480,4 @@ impl Drop for MappedRegion {
 }
 
 #[cfg(test)]
-#[path = "mapped_tests.rs"]
 mod tests;

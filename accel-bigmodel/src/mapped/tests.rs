@@ -1,5 +1,6 @@
 use std::collections::HashMap;
 
+use super::setting::{read_setting, NOT_A_WORD, NO_ALLOCATOR};
 use super::*;
 
 /// A safetensors file of `w` (f32, 3 x 1024: 12 KiB, so it spans whole
