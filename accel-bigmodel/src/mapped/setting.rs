@@ -1,20 +1,24 @@
 //! `ACCEL_MMAP_WEIGHTS`, and whether loads map tensors at all.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 /// Whether loads map tensors: [`super::MappedAlloc`] is the global allocator and
 /// `ACCEL_MMAP_WEIGHTS` does not turn it off (`0`, `false`, `no`, `off`).
 ///
-/// A setting that asks for mapping where it cannot act (no allocator) or
-/// that is not a yes/no word is named in a warning, once.
+/// The variable is read once, at the first load (loaders ask for every
+/// weight of every offloaded block on every forward). A setting that asks
+/// for mapping where it cannot act (no allocator) or that is not a yes/no
+/// word is named in a warning, once.
 pub fn enabled() -> bool {
+    static SETTING: OnceLock<Option<String>> = OnceLock::new();
     static WARNED: AtomicBool = AtomicBool::new(false);
     let installed = super::INSTALLED.load(Ordering::Relaxed);
-    let setting = std::env::var("ACCEL_MMAP_WEIGHTS").ok();
+    let setting = SETTING.get_or_init(|| std::env::var("ACCEL_MMAP_WEIGHTS").ok());
     let (on, notice) = read_setting(setting.as_deref(), installed);
     if let Some(notice) = notice {
         if !WARNED.swap(true, Ordering::Relaxed) {
-            let value = setting.unwrap_or_default();
+            let value = setting.as_deref().unwrap_or_default();
             tracing::warn!("ACCEL_MMAP_WEIGHTS={value} {notice}");
         }
     }
