@@ -4,12 +4,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
-use crate::mapped::MappedRegion;
+use crate::mapped::MappedFiles;
 use crate::safetensors::{CheckpointFiles, HeaderEntry, MmapFile, WeightIndex};
 
 /// Where one tensor of a checkpoint lives, read from the headers alone.
@@ -56,9 +56,9 @@ pub struct CheckpointSource {
     files: CheckpointFiles,
     mapped: Vec<MmapFile>,
     by_name: BTreeMap<String, usize>,
-    // Per file: its copy-on-write mapping for tensors over its pages, opened
-    // on first use (`None`: tensors cannot be mapped, see `crate::mapped`).
-    regions: Vec<OnceLock<Option<Arc<MappedRegion>>>>,
+    // The files' copy-on-write mappings for tensors over their pages,
+    // shared with the loaders made from this source.
+    files_mapped: Arc<MappedFiles>,
     // Mapped tensors handed to models built on this source, by name: a name
     // asked for again (a head tied to the embeddings) gets the same tensor,
     // as tied modules share one parameter in PyTorch, instead of a copy.
@@ -95,7 +95,7 @@ impl CheckpointSource {
         Ok(CheckpointSource {
             checkpoint: checkpoint.to_path_buf(),
             files,
-            regions: mapped.iter().map(|_| OnceLock::new()).collect(),
+            files_mapped: Arc::default(),
             built: Mutex::new(HashMap::new()),
             mapped,
             by_name,
@@ -204,9 +204,14 @@ impl CheckpointSource {
         if dtype.is_some_and(|d| d != stored) {
             return None;
         }
-        let region = self.regions[i].get_or_init(|| MappedRegion::open(file.path()).ok().flatten());
         let start = file.header().byte_range(name)?.start;
-        region.as_ref()?.tensor(start, stored, &entry.shape)
+        self.files_mapped
+            .tensor(file.path(), start, stored, &entry.shape)
+    }
+
+    /// The mappings tensors are taken from, for a loader made from this source.
+    pub(crate) fn mapped_files(&self) -> Arc<MappedFiles> {
+        self.files_mapped.clone()
     }
 }
 

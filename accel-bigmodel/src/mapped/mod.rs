@@ -35,8 +35,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use candle_core::{DType, Device, Tensor, WithDType};
 use memmap2::{Mmap, MmapMut, MmapOptions, UncheckedAdvice};
 
+mod files;
 mod setting;
 
+pub(crate) use files::MappedFiles;
 pub use setting::enabled;
 
 use crate::dtype::with_pod_type;

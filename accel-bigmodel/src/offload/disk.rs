@@ -16,7 +16,7 @@ use super::read::{read_into, read_tensor};
 use super::{StagingPool, WeightSource};
 use crate::checkpoint::CheckpointSource;
 use crate::error::{Error, Result};
-use crate::mapped::MappedRegion;
+use crate::mapped::MappedFiles;
 
 /// The name of an offload folder's index.
 pub const OFFLOAD_INDEX_NAME: &str = "index.json";
@@ -195,8 +195,9 @@ pub struct OffloadedWeightsLoader {
     index: BTreeMap<String, OffloadEntry>,
     // Resolved (file, offset, stored dtype, shape) of safetensors entries.
     located: BTreeMap<String, (PathBuf, u64, DType, Vec<usize>)>,
-    // Files mapped for tensors over their pages (`None`: cannot be mapped).
-    regions: std::sync::Mutex<BTreeMap<PathBuf, Option<Arc<MappedRegion>>>>,
+    // Files mapped for tensors over their pages (shared with the source
+    // the loader was made from).
+    files: Arc<MappedFiles>,
     // Read every weight into memory even where it could be mapped.
     no_mapping: bool,
 }
@@ -228,7 +229,10 @@ impl OffloadedWeightsLoader {
         names: impl IntoIterator<Item = &'a str>,
         dtype: Option<DType>,
     ) -> Result<Self> {
-        let mut loader = Self::default();
+        let mut loader = OffloadedWeightsLoader {
+            files: source.mapped_files(),
+            ..Self::default()
+        };
         for name in names {
             let at = source.locate(name).ok_or_else(|| Error::MissingTensor {
                 name: name.to_string(),
@@ -367,7 +371,7 @@ impl WeightSource for OffloadedWeightsLoader {
             return Ok(None);
         }
         if at.stored == dtype && at.dtype == at.stored {
-            if self.region(&at.path).is_some() {
+            if !self.no_mapping && self.files.maps(&at.path) {
                 // `load` hands out the file's own pages: no buffer to fill.
                 return Ok(None);
             }
@@ -409,25 +413,13 @@ struct StoredAt {
 }
 
 impl OffloadedWeightsLoader {
-    /// The mapping of `path`, opened on first use; `None` when tensors
-    /// cannot be mapped (no [`crate::MappedAlloc`], `ACCEL_MMAP_WEIGHTS=0`,
-    /// [`with_mapping(false)`](Self::with_mapping), a file that cannot be
-    /// opened: reading it then reports why).
-    fn region(&self, path: &Path) -> Option<Arc<MappedRegion>> {
-        if self.no_mapping || !crate::mapped::enabled() {
+    /// The weight at `at` as a tensor over the mapped file, in its stored dtype.
+    /// `None` where that cannot be (see [`with_mapping`](Self::with_mapping)).
+    fn mapped(&self, at: &StoredAt) -> Option<Tensor> {
+        if self.no_mapping {
             return None;
         }
-        let mut regions = self.regions.lock().unwrap_or_else(|e| e.into_inner());
-        let region = regions
-            .entry(path.to_path_buf())
-            .or_insert_with(|| MappedRegion::open(path).ok().flatten());
-        region.clone()
-    }
-
-    /// The weight at `at` as a tensor over the mapped file, in its stored dtype.
-    fn mapped(&self, at: &StoredAt) -> Option<Tensor> {
-        let region = self.region(&at.path)?;
-        region.tensor(at.offset, at.stored, &at.shape)
+        self.files.tensor(&at.path, at.offset, at.stored, &at.shape)
     }
 
     fn stored_at(&self, name: &str) -> Result<StoredAt> {
