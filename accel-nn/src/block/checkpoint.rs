@@ -133,8 +133,11 @@ impl ModelHook for CheckpointHook {
 // turn every -0 of the block's output into +0 (GELU of a large negative input
 // is -0, so the plain and the checkpointed forward differed in its sign bit).
 
-fn zeros_cpu(shape: &Shape, dtype: DType) -> candle_core::Result<(CpuStorage, Shape)> {
-    let zeros = CpuDevice.zeros_impl(shape, dtype)?;
+fn negative<S: BackendStorage>(
+    zeros: S,
+    shape: &Shape,
+    dtype: DType,
+) -> candle_core::Result<(S, Shape)> {
     let zeros = match dtype.is_float() {
         true => zeros.unary_impl::<Neg>(&Layout::contiguous(shape))?,
         false => zeros,
@@ -142,17 +145,16 @@ fn zeros_cpu(shape: &Shape, dtype: DType) -> candle_core::Result<(CpuStorage, Sh
     Ok((zeros, shape.clone()))
 }
 
+fn zeros_cpu(shape: &Shape, dtype: DType) -> candle_core::Result<(CpuStorage, Shape)> {
+    negative(CpuDevice.zeros_impl(shape, dtype)?, shape, dtype)
+}
+
 fn zeros_cuda(
     s: &CudaStorage,
     shape: &Shape,
     dtype: DType,
 ) -> candle_core::Result<(CudaStorage, Shape)> {
-    let zeros = s.device().zeros_impl(shape, dtype)?;
-    let zeros = match dtype.is_float() {
-        true => zeros.unary_impl::<Neg>(&Layout::contiguous(shape))?,
-        false => zeros,
-    };
-    Ok((zeros, shape.clone()))
+    negative(s.device().zeros_impl(shape, dtype)?, shape, dtype)
 }
 
 /// Negative zeros of the block's output shape (see `zeros_cpu`); its
