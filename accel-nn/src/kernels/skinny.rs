@@ -98,36 +98,33 @@ impl Tiles<'_> {
     /// vectors from L2 and RX from L1 for RW x RX multiply-adds. The other
     /// order (a `w` tile against every `x` row) streams both from L2.
     #[inline(always)]
-    fn run<S: Simd, const RW: usize, const RX: usize>(self, simd: S) {
-        let Tiles { x, w, yt, m, k } = self;
-        let rows = w.len() / k;
-        let full_w = rows / RW * RW;
-        let full_x = m / RX * RX;
+    fn run<S: Simd, const RW: usize, const RX: usize>(mut self, simd: S) {
+        let full_x = self.m / RX * RX;
         for i in (0..full_x).step_by(RX) {
-            for o in (0..full_w).step_by(RW) {
-                tile::<S, RW, RX>(simd, x, w, yt, (o, i), m, k);
-            }
-            for o in full_w..rows {
-                tile::<S, 1, RX>(simd, x, w, yt, (o, i), m, k);
-            }
+            self.x_rows::<S, RW, RX>(simd, i);
         }
         // The rows left over: two at a time, then one.
-        let pairs = full_x + (m - full_x) / 2 * 2;
+        let pairs = full_x + (self.m - full_x) / 2 * 2;
         for i in (full_x..pairs).step_by(2) {
-            for o in (0..full_w).step_by(RW) {
-                tile::<S, RW, 2>(simd, x, w, yt, (o, i), m, k);
-            }
-            for o in full_w..rows {
-                tile::<S, 1, 2>(simd, x, w, yt, (o, i), m, k);
-            }
+            self.x_rows::<S, RW, 2>(simd, i);
         }
-        for i in pairs..m {
-            for o in (0..full_w).step_by(RW) {
-                tile::<S, RW, 1>(simd, x, w, yt, (o, i), m, k);
-            }
-            for o in full_w..rows {
-                tile::<S, 1, 1>(simd, x, w, yt, (o, i), m, k);
-            }
+        for i in pairs..self.m {
+            self.x_rows::<S, RW, 1>(simd, i);
+        }
+    }
+
+    /// `x` rows `i..i + RX` against all of the task's `w` rows: RW at a time,
+    /// then the ones left over.
+    #[inline(always)]
+    fn x_rows<S: Simd, const RW: usize, const RX: usize>(&mut self, simd: S, i: usize) {
+        let Tiles { x, w, m, k, .. } = *self;
+        let rows = w.len() / k;
+        let full_w = rows / RW * RW;
+        for o in (0..full_w).step_by(RW) {
+            tile::<S, RW, RX>(simd, x, w, self.yt, (o, i), m, k);
+        }
+        for o in full_w..rows {
+            tile::<S, 1, RX>(simd, x, w, self.yt, (o, i), m, k);
         }
     }
 }
