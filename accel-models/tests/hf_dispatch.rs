@@ -51,12 +51,8 @@ fn dispatched_with_cpu_and_disk_offload_gives_transformers_logits_and_tokens() {
     for name in DECODERS {
         let empty = AutoModel::empty(fixture(name), DType::F32).unwrap();
         let offload = tempfile::tempdir().unwrap();
-        let opts = LoadDispatchOptions {
-            device_map: DeviceMapChoice::Map(cpu_disk_map(&empty)),
-            dtype: None,
-            offload_folder: Some(offload.path().to_path_buf()),
-            main_device: None,
-        };
+        let opts = LoadDispatchOptions::new(DeviceMapChoice::Map(cpu_disk_map(&empty)))
+            .with_offload_folder(offload.path());
         let (model, report) = AutoModel::load_dispatched(fixture(name), &opts).unwrap();
         assert!(report.count(Placement::Disk) >= 2, "{name}: {report:?}");
         // CPU blocks hold the checkpoint's pages; disk blocks hold nothing
@@ -81,12 +77,7 @@ fn a_tied_head_dispatched_to_the_cpu_shares_the_embeddings_tensor() {
         for b in empty.blocks() {
             map.insert(b.name(), Placement::Cpu);
         }
-        let opts = LoadDispatchOptions {
-            device_map: DeviceMapChoice::Map(map),
-            dtype: None,
-            offload_folder: None,
-            main_device: None,
-        };
+        let opts = LoadDispatchOptions::new(DeviceMapChoice::Map(map));
         let (model, _) = AutoModel::load_dispatched(fixture(name), &opts).unwrap();
         // Each block's own handle: the embeddings' and the head's.
         let keys: Vec<_> = model
@@ -108,12 +99,7 @@ fn a_python_map_placing_buffer_only_modules_dispatches_and_an_unknown_key_is_nam
     let mut map = cpu_disk_map(&empty);
     // transformers' LlamaRotaryEmbedding holds only non-persistent buffers.
     map.insert("model.rotary_emb".to_string(), Placement::Cpu);
-    let opts = |map: DeviceMap| LoadDispatchOptions {
-        device_map: DeviceMapChoice::Map(map),
-        dtype: None,
-        offload_folder: None,
-        main_device: None,
-    };
+    let opts = |map: DeviceMap| LoadDispatchOptions::new(DeviceMapChoice::Map(map));
     accel_nn::load_checkpoint_and_dispatch(&empty, fixture("llama"), &opts(map.clone())).unwrap();
     check_logits(
         "llama",
@@ -195,12 +181,7 @@ fn planned_device_maps_equal_accelerates_and_dispatch_to_the_same_logits() {
             if name == "bert" {
                 continue;
             }
-            let opts = LoadDispatchOptions {
-                device_map: DeviceMapChoice::Auto(plan),
-                dtype: None,
-                offload_folder: None,
-                main_device: None,
-            };
+            let opts = LoadDispatchOptions::new(DeviceMapChoice::Auto(plan));
             let (model, report) = AutoModel::load_dispatched(fixture(name), &opts).unwrap();
             assert!(report.count(Placement::Disk) > 0, "{name}: {report:?}");
             check_logits(name, &model, "auto-planned");

@@ -227,12 +227,7 @@ fn bad_checkpoints_give_errors_naming_file_and_key_or_tensor() {
         c.insert("n_layer".into(), 3.into());
     });
     let empty = AutoModel::empty(dir.path(), DType::F32).unwrap();
-    let opts = LoadDispatchOptions {
-        device_map: DeviceMapChoice::Map(cpu_disk_map(&empty)),
-        dtype: None,
-        offload_folder: None,
-        main_device: None,
-    };
+    let opts = LoadDispatchOptions::new(DeviceMapChoice::Map(cpu_disk_map(&empty)));
     let msg = accel_nn::load_checkpoint_and_dispatch(&empty, dir.path(), &opts)
         .unwrap_err()
         .to_string();

@@ -227,6 +227,25 @@ pub struct LoadDispatchOptions {
     pub main_device: Option<Device>,
 }
 
+impl LoadDispatchOptions {
+    /// Placing by `device_map`, weights kept in the checkpoint's dtype, no
+    /// offload folder, the default main device.
+    pub fn new(device_map: DeviceMapChoice) -> Self {
+        LoadDispatchOptions {
+            device_map,
+            dtype: None,
+            offload_folder: None,
+            main_device: None,
+        }
+    }
+
+    /// Sets `offload_folder`.
+    pub fn with_offload_folder(mut self, folder: impl Into<PathBuf>) -> Self {
+        self.offload_folder = Some(folder.into());
+        self
+    }
+}
+
 /// Loads a safetensors checkpoint into an (empty) hooked model and dispatches
 /// it (Accelerate's `load_checkpoint_and_dispatch`).
 ///

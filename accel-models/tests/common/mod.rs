@@ -92,12 +92,7 @@ pub fn cpu_disk_map(model: &AutoModel) -> DeviceMap {
 /// The BERT fixture with every other block on disk, read from the checkpoint.
 pub fn offloaded_bert() -> Bert {
     let empty = AutoModel::empty(fixture("bert"), DType::F32).unwrap();
-    let opts = LoadDispatchOptions {
-        device_map: DeviceMapChoice::Map(cpu_disk_map(&empty)),
-        dtype: None,
-        offload_folder: None,
-        main_device: None,
-    };
+    let opts = LoadDispatchOptions::new(DeviceMapChoice::Map(cpu_disk_map(&empty)));
     let (model, _) = AutoModel::load_dispatched(fixture("bert"), &opts).unwrap();
     let AutoModel::Bert(bert) = model else {
         panic!("the bert fixture loads as BERT")
