@@ -5,8 +5,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
+use super::raw::par;
 use super::{as_f32, from_f32, math, tensor_from_f32, with_f32, CHUNK};
 
 /// Pointwise function of the fused kernels (`None` is the identity, used
@@ -55,16 +55,16 @@ multiversion! {
 
 /// `y = act(x)` over whole buffers, in parallel chunks.
 pub(super) fn forward_par(act: Act, x: &[f32], y: &mut [f32]) {
-    y.par_chunks_mut(CHUNK)
-        .zip(x.par_chunks(CHUNK))
-        .for_each(|(y, x)| act_forward(act, x, y));
+    par::chunks_mut(y, CHUNK, |i, y| {
+        act_forward(act, &x[i * CHUNK..][..y.len()], y)
+    });
 }
 
 /// `g *= act'(x)` over whole buffers, in parallel chunks.
 pub(super) fn backward_par(act: Act, x: &[f32], g: &mut [f32]) {
-    g.par_chunks_mut(CHUNK)
-        .zip(x.par_chunks(CHUNK))
-        .for_each(|(g, x)| act_backward(act, x, g));
+    par::chunks_mut(g, CHUNK, |i, g| {
+        act_backward(act, &x[i * CHUNK..][..g.len()], g)
+    });
 }
 
 struct Pointwise(Act);
@@ -139,9 +139,10 @@ impl CustomOp2 for SwiGlu {
         }
         let (g, u) = (as_f32(s1, l1)?, as_f32(s2, l2)?);
         let mut y = vec![0f32; g.len()];
-        y.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-            .for_each(|(y, (g, u))| swiglu_forward(g, u, y));
+        par::chunks_mut(&mut y, CHUNK, |i, y| {
+            let at = i * CHUNK..i * CHUNK + y.len();
+            swiglu_forward(&g[at.clone()], &u[at], y)
+        });
         Ok((from_f32(y, s1.dtype())?, l1.shape().clone()))
     }
 
@@ -157,11 +158,10 @@ impl CustomOp2 for SwiGlu {
         with_f32(gate, |g| {
             with_f32(up, |u| {
                 with_f32(grad, |dy| {
-                    dg.par_chunks_mut(CHUNK)
-                        .zip(du.par_chunks_mut(CHUNK))
-                        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)))
-                        .zip(dy.par_chunks(CHUNK))
-                        .for_each(|(((dg, du), (g, u)), dy)| swiglu_backward(g, u, dy, dg, du));
+                    par::chunks_mut2(&mut dg, CHUNK, &mut du, CHUNK, |i, dg, du| {
+                        let at = i * CHUNK..i * CHUNK + dg.len();
+                        swiglu_backward(&g[at.clone()], &u[at.clone()], &dy[at], dg, du)
+                    });
                     Ok(())
                 })
             })

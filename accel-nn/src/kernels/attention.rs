@@ -13,9 +13,8 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
-use super::raw::{gemm, gemm_new, MatRef};
+use super::raw::{gemm, gemm_new, par, MatRef};
 use super::{from_f32, math, strided_f32, tensor_from_f32, with_f32, with_strided_f32};
 
 /// What the fused kernel masks: keys after `offset + i` for query `i`
@@ -166,43 +165,40 @@ impl Attention {
         let n_rep = h / kvh;
         let mut y = vec![0f32; b * h * t * d];
         let mut probs = vec![0f32; b * h * t * s];
-        let par = b * h < rayon::current_num_threads();
+        let par = b * h < par::threads();
         if t == 0 || d == 0 {
             return (y, probs);
         }
-        y.par_chunks_mut(t * d)
-            .zip(probs.par_chunks_mut((t * s).max(1)))
-            .enumerate()
-            .for_each(|(bh, (y, p))| {
-                let (bi, hi) = (bh / h, bh % h);
-                let kv = hi / n_rep;
-                let qo = q.1 + bi * q.2[0] + hi * q.2[1];
-                let ko = k.1 + bi * k.2[0] + kv * k.2[1];
-                let vo = v.1 + bi * v.2[0] + kv * v.2[1];
-                gemm(
-                    (t, s, d),
-                    p,
-                    0,
-                    s,
-                    false,
-                    MatRef::rows(q.0, qo, q.2[2]),
-                    MatRef::rows_t(k.0, ko, k.2[2]),
-                    self.scale,
-                    par,
-                );
-                self.probabilities(p, bi, hi, dims, bias);
-                gemm(
-                    (t, d, s),
-                    y,
-                    0,
-                    d,
-                    false,
-                    MatRef::rows(p, 0, s),
-                    MatRef::rows(v.0, vo, v.2[2]),
-                    1.0,
-                    par,
-                );
-            });
+        par::chunks_mut2(&mut y, t * d, &mut probs, (t * s).max(1), |bh, y, p| {
+            let (bi, hi) = (bh / h, bh % h);
+            let kv = hi / n_rep;
+            let qo = q.1 + bi * q.2[0] + hi * q.2[1];
+            let ko = k.1 + bi * k.2[0] + kv * k.2[1];
+            let vo = v.1 + bi * v.2[0] + kv * v.2[1];
+            gemm(
+                (t, s, d),
+                p,
+                0,
+                s,
+                false,
+                MatRef::rows(q.0, qo, q.2[2]),
+                MatRef::rows_t(k.0, ko, k.2[2]),
+                self.scale,
+                par,
+            );
+            self.probabilities(p, bi, hi, dims, bias);
+            gemm(
+                (t, d, s),
+                y,
+                0,
+                d,
+                false,
+                MatRef::rows(p, 0, s),
+                MatRef::rows(v.0, vo, v.2[2]),
+                1.0,
+                par,
+            );
+        });
         (y, probs)
     }
 
@@ -252,12 +248,13 @@ impl Attention {
         if t == 0 || s == 0 || d == 0 {
             return Ok((dq, dk, dv));
         }
-        let par = b * kvh < rayon::current_num_threads();
+        let par = b * kvh < par::threads();
         let ((qd, qo, qs), (kd, ko, ks), (vd, vo, vs)) = (q, k, v);
-        dq.par_chunks_mut(n_rep * t * d)
-            .zip(dk.par_chunks_mut(s * d).zip(dv.par_chunks_mut(s * d)))
-            .enumerate()
-            .for_each(|(group, (dq, (dk, dv)))| {
+        par::chunks_mut3(
+            (&mut dq, n_rep * t * d),
+            (&mut dk, s * d),
+            (&mut dv, s * d),
+            |group, dq, dk, dv| {
                 let (bi, kv) = (group / kvh, group % kvh);
                 let ko = ko + bi * ks[0] + kv * ks[1];
                 let vo = vo + bi * vs[0] + kv * vs[1];
@@ -291,7 +288,8 @@ impl Attention {
                     let q_rows = MatRef::rows(qd, qo, qs[2]);
                     gemm((s, d, t), dk, 0, d, r > 0, ds_t, q_rows, 1.0, par);
                 }
-            });
+            },
+        );
         Ok((dq, dk, dv))
     }
 }

@@ -11,9 +11,9 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 use super::attention::{Attention, Dims, MaskSpec};
+use super::raw::par;
 use super::{as_f32, from_f32, tensor_from_f32, with_f32};
 
 /// The op: the shared attention state plus the head count.
@@ -84,7 +84,7 @@ impl CustomOp1 for Packed {
         // [b, h, t, hd] -> [b, t, h * hd]
         let mut merged = vec![0f32; b * t * d];
         if d > 0 {
-            merged.par_chunks_mut(d).enumerate().for_each(|(row, out)| {
+            par::chunks_mut(&mut merged, d, |row, out| {
                 let (bi, ti) = (row / t, row % t);
                 for (hi, o) in out.chunks_exact_mut(hd).enumerate() {
                     let src = ((bi * h + hi) * t + ti) * hd;
@@ -105,7 +105,7 @@ impl CustomOp1 for Packed {
         // [b, t, h * hd] -> [b, h, t, hd]
         let mut g = vec![0f32; b * t * d];
         with_f32(grad, |gr| {
-            g.par_chunks_mut(t * hd).enumerate().for_each(|(bh, out)| {
+            par::chunks_mut(&mut g, t * hd, |bh, out| {
                 let (bi, hi) = (bh / h, bh % h);
                 for (ti, o) in out.chunks_exact_mut(hd).enumerate() {
                     let src = (bi * t + ti) * d + hi * hd;
@@ -121,18 +121,16 @@ impl CustomOp1 for Packed {
         })?;
         // Scatter the three [b, h, t, hd] gradients into dqkv rows.
         let mut dqkv = vec![0f32; b * t * 3 * d];
-        dqkv.par_chunks_mut(3 * d)
-            .enumerate()
-            .for_each(|(row, out)| {
-                let (bi, ti) = (row / t, row % t);
-                for (part, src) in [&dq, &dk, &dv].into_iter().enumerate() {
-                    for hi in 0..h {
-                        let from = ((bi * h + hi) * t + ti) * hd;
-                        let to = part * d + hi * hd;
-                        out[to..to + hd].copy_from_slice(&src[from..from + hd]);
-                    }
+        par::chunks_mut(&mut dqkv, 3 * d, |row, out| {
+            let (bi, ti) = (row / t, row % t);
+            for (part, src) in [&dq, &dk, &dv].into_iter().enumerate() {
+                for hi in 0..h {
+                    let from = ((bi * h + hi) * t + ti) * hd;
+                    let to = part * d + hi * hd;
+                    out[to..to + hd].copy_from_slice(&src[from..from + hd]);
                 }
-            });
+            }
+        });
         Ok(Some(tensor_from_f32(dqkv, qkv.shape(), qkv.dtype())?))
     }
 }

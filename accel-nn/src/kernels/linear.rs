@@ -10,13 +10,12 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
 pub(crate) use super::act::Act;
 use super::act::{backward_par, forward_par};
-use super::raw::{gemm, gemm_new, MatRef};
+use super::raw::{gemm, gemm_new, par, MatRef};
 use super::skinny;
-use super::{as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32};
+use super::{as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32, CHUNK};
 
 /// The op; it keeps the pre-activation for the backward pass of smooth
 /// activations (ReLU's derivative is read off the output instead).
@@ -64,8 +63,9 @@ impl LinearOp {
                     if bs.len() != out {
                         bail!("linear: bias has {} entries, expected {out}", bs.len())
                     }
-                    y.par_chunks_mut(out.max(1))
-                        .for_each(|row| row.iter_mut().zip(bs.iter()).for_each(|(v, b)| *v += b));
+                    par::chunks_mut(&mut y, out, |_, row| {
+                        row.iter_mut().zip(bs.iter()).for_each(|(v, b)| *v += b)
+                    });
                 }
                 y
             }
@@ -85,7 +85,9 @@ impl LinearOp {
         let y = match self.act {
             Act::None => y,
             Act::Relu => {
-                y.par_iter_mut().for_each(|v| *v = v.max(0.0));
+                par::chunks_mut(&mut y, CHUNK, |_, y| {
+                    y.iter_mut().for_each(|v| *v = v.max(0.0))
+                });
                 y
             }
             act => {
@@ -118,10 +120,14 @@ impl LinearOp {
                 Act::None => g,
                 Act::Relu => {
                     owned = with_f32(res, |y| {
-                        Ok(g.par_iter()
-                            .zip(y.par_iter())
-                            .map(|(&d, &y)| if y > 0.0 { d } else { 0.0 })
-                            .collect())
+                        let mut d = g.to_vec();
+                        par::chunks_mut(&mut d, CHUNK, |i, d| {
+                            let y = &y[i * CHUNK..];
+                            d.iter_mut()
+                                .zip(y)
+                                .for_each(|(d, &y)| *d = if y > 0.0 { *d } else { 0.0 })
+                        });
+                        Ok(d)
                     })?;
                     &owned
                 }
@@ -183,16 +189,14 @@ pub(super) fn column_sums(m: &[f32], cols: usize) -> Vec<f32> {
     if cols == 0 {
         return Vec::new();
     }
-    let partials = m
-        .par_chunks(rows_per_reduction(cols) * cols)
-        .map(|blk| {
-            let mut acc = vec![0f32; cols];
-            for row in blk.chunks_exact(cols) {
-                acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
-            }
-            acc
-        })
-        .collect();
+    let block = rows_per_reduction(cols) * cols;
+    let partials = par::map(m.len().div_ceil(block), |i| {
+        let mut acc = vec![0f32; cols];
+        for row in m[i * block..].chunks_exact(cols).take(block / cols) {
+            acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+        }
+        acc
+    });
     sum_in_order(partials, cols)
 }
 

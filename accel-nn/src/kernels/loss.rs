@@ -15,9 +15,8 @@
 use std::sync::Mutex;
 
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
-use super::raw::{gemm_new, MatRef};
+use super::raw::{gemm_new, par, MatRef};
 use super::{as_f32, math, rows_per_reduction, rows_per_task, tensor_from_f32, with_f32};
 
 /// Marks a row whose target is ignored.
@@ -46,22 +45,18 @@ fn lse_and_loss(logits: &[f32], targets: &[u32], c: usize) -> (Vec<f32>, f32) {
     // not depend on the thread count (see `rows_per_reduction`).
     let rows = rows_per_reduction(c);
     let mut lse = vec![0f32; n];
-    let partials: Vec<f64> = lse
-        .par_chunks_mut(rows)
-        .zip(logits.par_chunks(rows * c).zip(targets.par_chunks(rows)))
-        .map(|(lse, (x, t))| {
-            let mut sum = 0f64;
-            for ((lse, row), &t) in lse.iter_mut().zip(x.chunks_exact(c)).zip(t) {
-                if t == IGNORED {
-                    continue;
-                }
-                let max = math::max(row);
-                *lse = max + math::sum_exp_shifted(row, max).ln();
-                sum += (*lse - row[t as usize]) as f64;
+    let mut partials = vec![0f64; n.div_ceil(rows.max(1))];
+    par::chunks_mut2(&mut lse, rows, &mut partials, 1, |i, lse, sum| {
+        let (x, t) = (&logits[i * rows * c..], &targets[i * rows..][..lse.len()]);
+        for ((lse, row), &t) in lse.iter_mut().zip(x.chunks_exact(c)).zip(t) {
+            if t == IGNORED {
+                continue;
             }
-            sum
-        })
-        .collect();
+            let max = math::max(row);
+            *lse = max + math::sum_exp_shifted(row, max).ln();
+            sum[0] += (*lse - row[t as usize]) as f64;
+        }
+    });
     let total: f64 = partials.iter().sum();
     let count = valid_count(targets);
     (
@@ -83,18 +78,16 @@ fn valid_count(targets: &[u32]) -> usize {
 /// in place (zero for ignored rows).
 fn softmax_minus_onehot(logits: &mut [f32], lse: &[f32], targets: &[u32], c: usize, scale: f32) {
     let rows = rows_per_task(targets.len(), c);
-    logits
-        .par_chunks_mut(rows * c)
-        .zip(lse.par_chunks(rows).zip(targets.par_chunks(rows)))
-        .for_each(|(x, (lse, t))| {
-            for ((row, &lse), &t) in x.chunks_exact_mut(c).zip(lse).zip(t) {
-                if t == IGNORED {
-                    row.fill(0.0);
-                } else {
-                    math::softmax_grad_row(row, lse, t as usize, scale);
-                }
+    par::chunks_mut(logits, rows * c, |i, x| {
+        let (lse, t) = (&lse[i * rows..], &targets[i * rows..]);
+        for ((row, &lse), &t) in x.chunks_exact_mut(c).zip(lse).zip(t) {
+            if t == IGNORED {
+                row.fill(0.0);
+            } else {
+                math::softmax_grad_row(row, lse, t as usize, scale);
             }
-        });
+        }
+    });
 }
 
 /// The scalar upstream gradient divided by the number of counted rows.

@@ -140,7 +140,7 @@ fn sum_in_order(partials: Vec<Vec<f32>>, len: usize) -> Vec<f32> {
 /// amortises its scheduling, small enough to balance over the threads.
 /// Only for kernels whose rows are independent (see [`rows_per_reduction`]).
 fn rows_per_task(rows: usize, row_len: usize) -> usize {
-    let even = rows.div_ceil(4 * rayon::current_num_threads()).max(1);
+    let even = rows.div_ceil(4 * raw::par::threads()).max(1);
     rows_per_reduction(row_len).min(even)
 }
 
@@ -198,13 +198,7 @@ mod determinism_tests {
 
     #[test]
     fn losses_and_gradients_have_the_same_bits_for_any_thread_count() {
-        let in_pool = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(run).unwrap()
-        };
+        let in_pool = |threads: usize| super::raw::par::with_threads(threads, run).unwrap();
         let one = in_pool(1);
         for threads in [2, 3] {
             let many = in_pool(threads);

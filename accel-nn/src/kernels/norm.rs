@@ -8,8 +8,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
+use super::raw::par;
 use super::{
     as_f32, from_f32, math, rows_per_reduction, rows_per_task, sum_in_order, tensor_from_f32,
     with_f32,
@@ -136,9 +136,9 @@ impl Norm {
         let mut y = vec![0f32; xs.len()];
         let chunk = rows_per_task(xs.len() / d, d) * d;
         let bs = bs.as_deref();
-        y.par_chunks_mut(chunk)
-            .zip(xs.par_chunks(chunk))
-            .for_each(|(y, x)| forward_rows(x, &ws, bs, y, self.eps, self.rms));
+        par::chunks_mut(&mut y, chunk, |i, y| {
+            forward_rows(&xs[i * chunk..][..y.len()], &ws, bs, y, self.eps, self.rms)
+        });
         Ok((from_f32(y, x.0.dtype())?, x.1.shape().clone()))
     }
 
@@ -152,15 +152,13 @@ impl Norm {
                     let chunk = rows_per_reduction(d) * d;
                     // Each task writes its rows of dx and returns partial sums
                     // [dw | db | scratch]; the partials are then added up in order.
-                    let partials = dx
-                        .par_chunks_mut(chunk)
-                        .zip(xs.par_chunks(chunk).zip(g.par_chunks(chunk)))
-                        .map(|(dx, (x, g))| {
-                            let mut acc = vec![0f32; 3 * d];
-                            backward_rows(x, ws, g, dx, &mut acc, self.eps, self.rms);
-                            acc
-                        })
-                        .collect();
+                    let mut partials = vec![Vec::new(); dx.len().div_ceil(chunk)];
+                    par::chunks_mut2(&mut dx, chunk, &mut partials, 1, |i, dx, acc| {
+                        let at = i * chunk..i * chunk + dx.len();
+                        acc[0] = vec![0f32; 3 * d];
+                        let (x, g) = (&xs[at.clone()], &g[at]);
+                        backward_rows(x, ws, g, dx, &mut acc[0], self.eps, self.rms);
+                    });
                     let acc = sum_in_order(partials, 3 * d);
                     Ok((acc[..d].to_vec(), acc[d..2 * d].to_vec()))
                 })

@@ -7,8 +7,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
+use super::raw::par;
 use super::{as_f32, from_f32, rows_per_task, tensor_from_f32, with_f32};
 
 /// The op: tables `[t, d/2]` in f32 and the pairing convention.
@@ -49,31 +49,29 @@ impl Rope {
         let t = self.cos.len() / half.max(1);
         let mut y = vec![0f32; x.len()];
         let rows = rows_per_task(x.len() / d, d);
-        y.par_chunks_mut(rows * d)
-            .zip(x.par_chunks(rows * d))
-            .enumerate()
-            .for_each(|(task, (y, x))| {
-                for (r, (y, x)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
-                    let pos = (task * rows + r) % t;
-                    let cos = &self.cos[pos * half..(pos + 1) * half];
-                    let sin = &self.sin[pos * half..(pos + 1) * half];
-                    if self.interleaved {
-                        for i in 0..half {
-                            let (a, b, c, s) = (x[2 * i], x[2 * i + 1], cos[i], sign * sin[i]);
-                            y[2 * i] = a * c - b * s;
-                            y[2 * i + 1] = a * s + b * c;
-                        }
-                    } else {
-                        let (x1, x2) = x.split_at(half);
-                        let (y1, y2) = y.split_at_mut(half);
-                        for i in 0..half {
-                            let (a, b, c, s) = (x1[i], x2[i], cos[i], sign * sin[i]);
-                            y1[i] = a * c - b * s;
-                            y2[i] = b * c + a * s;
-                        }
+        par::chunks_mut(&mut y, rows * d, |task, y| {
+            let x = &x[task * rows * d..][..y.len()];
+            for (r, (y, x)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
+                let pos = (task * rows + r) % t;
+                let cos = &self.cos[pos * half..(pos + 1) * half];
+                let sin = &self.sin[pos * half..(pos + 1) * half];
+                if self.interleaved {
+                    for i in 0..half {
+                        let (a, b, c, s) = (x[2 * i], x[2 * i + 1], cos[i], sign * sin[i]);
+                        y[2 * i] = a * c - b * s;
+                        y[2 * i + 1] = a * s + b * c;
+                    }
+                } else {
+                    let (x1, x2) = x.split_at(half);
+                    let (y1, y2) = y.split_at_mut(half);
+                    for i in 0..half {
+                        let (a, b, c, s) = (x1[i], x2[i], cos[i], sign * sin[i]);
+                        y1[i] = a * c - b * s;
+                        y2[i] = b * c + a * s;
                     }
                 }
-            });
+            }
+        });
         y
     }
 }

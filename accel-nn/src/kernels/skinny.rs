@@ -18,7 +18,8 @@
 //! so a row's result does not depend on the batch around it.
 
 use pulp::{Simd, WithSimd};
-use rayon::prelude::*;
+
+use super::raw::par;
 
 /// Up to this many rows of `x` take this kernel; above it gemm's repacking
 /// of `w` pays for itself (measured on the 2-core AVX-512 EPYC: at 64 rows
@@ -56,10 +57,12 @@ pub(crate) fn x_wt(x: &[f32], w: &[f32], m: usize, k: usize, out: usize) -> Vec<
     // (m * out elements: small next to the weight).
     let mut yt = vec![0f32; out * m];
     let rows = w_rows_per_task(k, m);
-    let tasks = yt.par_chunks_mut(rows * m).zip(w.par_chunks(rows * k));
-    tasks.for_each(|(yt, w)| pulp::Arch::new().dispatch(Tiles { x, w, yt, m, k }));
+    par::chunks_mut(&mut yt, rows * m, |i, yt| {
+        let w = &w[i * rows * k..][..yt.len() / m * k];
+        pulp::Arch::new().dispatch(Tiles { x, w, yt, m, k })
+    });
     let mut y = vec![0f32; m * out];
-    y.par_chunks_mut(out).enumerate().for_each(|(i, row)| {
+    par::chunks_mut(&mut y, out, |i, row| {
         for (o, v) in row.iter_mut().enumerate() {
             *v = yt[o * m + i];
         }

@@ -6,8 +6,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
-use rayon::prelude::*;
 
+use super::raw::par;
 use super::{as_f32, from_f32, math, rows_per_task, tensor_from_f32, with_f32};
 
 /// Softmax (`log == false`) or log-softmax of every row.
@@ -72,9 +72,9 @@ impl CustomOp1 for Softmax {
         let d = l.dims().last().copied().unwrap_or(1).max(1);
         let mut y = vec![0f32; x.len()];
         let chunk = rows_per_task(x.len() / d, d) * d;
-        y.par_chunks_mut(chunk)
-            .zip(x.par_chunks(chunk))
-            .for_each(|(y, x)| forward_rows(x, y, d, self.log));
+        par::chunks_mut(&mut y, chunk, |i, y| {
+            forward_rows(&x[i * chunk..][..y.len()], y, d, self.log)
+        });
         Ok((from_f32(y, s.dtype())?, l.shape().clone()))
     }
 
@@ -83,9 +83,9 @@ impl CustomOp1 for Softmax {
         let mut g = with_f32(grad, |g| Ok(g.to_vec()))?;
         with_f32(res, |y| {
             let chunk = rows_per_task(y.len() / d, d) * d;
-            g.par_chunks_mut(chunk)
-                .zip(y.par_chunks(chunk))
-                .for_each(|(g, y)| backward_rows(y, g, d, self.log));
+            par::chunks_mut(&mut g, chunk, |i, g| {
+                backward_rows(&y[i * chunk..][..g.len()], g, d, self.log)
+            });
             Ok(())
         })?;
         Ok(Some(tensor_from_f32(g, x.shape(), x.dtype())?))
