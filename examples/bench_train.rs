@@ -11,8 +11,9 @@
 //! - `accelerator`: the accel-nn model through the Accelerator (`prepare`,
 //!   `accumulate`, `backward`, prepared AdamW with the same rule);
 //! - `torch`: `scripts/bench_train_torch.py`, the same models and AdamW rule in
-//!   PyTorch on 2 threads, run in the middle of this run when `import torch`
-//!   works.
+//!   PyTorch on 2 threads, when `import torch` works. It runs as a worker
+//!   process (`--serve`) that times one round per request, and its rounds
+//!   take their turn in the alternation below like the other rows'.
 //!
 //! `overhead_pct` compares `accelerator` with `accel_nn` (same model, same
 //! optimizer maths), so it measures only what the Accelerator adds. Rounds
@@ -99,31 +100,14 @@ fn main() -> Result<()> {
         env.as_deref(),
     )?);
     let mut out = serde_json::Map::new();
-    // PyTorch runs once, between the two workloads' rounds, on the same machine.
-    let mlp = args.only == "all" || args.only == "mlp";
-    let gpt = args.only == "all" || args.only == "gpt";
-    let mut torch = None;
-    if mlp {
-        let m = bench(&args, Kind::Mlp, None)?;
-        torch = torch_rates(args.rounds);
-        out.insert(MLP.into(), m);
-    }
-    if gpt {
-        if torch.is_none() {
-            torch = torch_rates(args.rounds);
-        }
-        let rate = torch.as_ref().and_then(|t| t[GPT].as_f64());
-        out.insert(GPT.into(), bench(&args, Kind::Gpt, rate)?);
-    }
-    if let (Some(t), Some(serde_json::Value::Object(m))) = (&torch, out.get_mut(MLP)) {
-        if let Some(rate) = t[MLP].as_f64() {
-            let accel = m["accel_nn_steps_per_s"].as_f64().unwrap_or(0.0);
-            m.insert("torch_steps_per_s".into(), rounded(rate));
-            m.insert("accel_nn_vs_torch".into(), rounded(accel / rate));
+    let mut torch = TorchWorker::start()?;
+    for (kind, name) in [(Kind::Mlp, MLP), (Kind::Gpt, GPT)] {
+        if args.only == "all" || args.only == kind.arg() {
+            out.insert(name.into(), bench(&args, kind, torch.as_mut())?);
         }
     }
     if let Some(t) = &torch {
-        out.insert("torch_version".into(), t["torch_version"].clone());
+        out.insert("torch_version".into(), t.version.clone().into());
     }
     out.insert("malloc_tuning".into(), format!("{malloc:?}").into());
     out.insert("threads".into(), rayon_threads().into());
@@ -155,6 +139,16 @@ const GPT: &str = "gpt_v4096_d256_l4_h4_t128_b8";
 enum Kind {
     Mlp,
     Gpt,
+}
+
+impl Kind {
+    /// The workload's name for `--only` and the torch worker.
+    fn arg(self) -> &'static str {
+        match self {
+            Kind::Mlp => "mlp",
+            Kind::Gpt => "gpt",
+        }
+    }
 }
 
 /// The loss of batch `i` of a workload.
@@ -351,34 +345,77 @@ fn accelerator_loop(kind: Kind, precision: PrecisionType) -> Result<Loop> {
     }))
 }
 
-/// PyTorch's steps/s per workload from the repo's script, when torch imports.
-fn torch_rates(rounds: usize) -> Option<serde_json::Value> {
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../scripts/bench_train_torch.py"
-    );
-    let ok = std::process::Command::new("python3")
-        .args(["-c", "import torch"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        return None;
-    }
-    let out = std::process::Command::new("python3")
-        .args([
-            script,
-            "--json",
-            "--rounds",
-            &rounds.to_string(),
-            "--threads",
-            "2",
-            "--device",
-            if device().is_cpu() { "cpu" } else { "cuda" },
-        ])
-        .output()
-        .ok()?;
-    serde_json::from_slice(&out.stdout).ok()
+/// PyTorch's side: `scripts/bench_train_torch.py --serve`, one timed round
+/// per request, so its rounds alternate with ours.
+struct TorchWorker {
+    child: std::process::Child,
+    requests: std::process::ChildStdin,
+    replies: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    version: String,
 }
+
+impl TorchWorker {
+    /// The worker, or `None` when `python3 -c "import torch"` fails.
+    fn start() -> Result<Option<Self>> {
+        let ok = std::process::Command::new("python3")
+            .args(["-c", "import torch"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            return Ok(None);
+        }
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../scripts/bench_train_torch.py"
+        );
+        let device = if device().is_cpu() { "cpu" } else { "cuda" };
+        let mut child = std::process::Command::new("python3")
+            .args([script, "--serve", "--threads", "2", "--device", device])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()?;
+        let requests = child.stdin.take().expect("piped stdin");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut worker = Self {
+            child,
+            requests,
+            replies: std::io::BufRead::lines(std::io::BufReader::new(stdout)),
+            version: String::new(),
+        };
+        let hello = worker.reply()?;
+        worker.version = hello["torch_version"].as_str().unwrap_or("?").to_string();
+        Ok(Some(worker))
+    }
+
+    fn reply(&mut self) -> Result<serde_json::Value> {
+        let line = self
+            .replies
+            .next()
+            .ok_or_else(|| anyhow::anyhow!("{TORCH_SCRIPT} exited early"))??;
+        Ok(serde_json::from_str(&line)?)
+    }
+
+    /// Steps/s of one timed round of `kind`.
+    fn round(&mut self, kind: Kind) -> Result<f64> {
+        use std::io::Write;
+        writeln!(self.requests, "{}", kind.arg())?;
+        self.requests.flush()?;
+        let reply = self.reply()?;
+        reply["steps_per_s"]
+            .as_f64()
+            .ok_or_else(|| anyhow::anyhow!("{TORCH_SCRIPT}: unexpected reply {reply}"))
+    }
+}
+
+impl Drop for TorchWorker {
+    fn drop(&mut self) {
+        // Closing its stdin ends the worker's request loop.
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const TORCH_SCRIPT: &str = "scripts/bench_train_torch.py";
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -389,7 +426,11 @@ fn rounded(x: f64) -> serde_json::Value {
     serde_json::json!((x * 100.0).round() / 100.0)
 }
 
-fn bench(args: &Args, kind: Kind, torch: Option<f64>) -> Result<serde_json::Value> {
+fn bench(
+    args: &Args,
+    kind: Kind,
+    mut torch: Option<&mut TorchWorker>,
+) -> Result<serde_json::Value> {
     let steps = steps_per_round(kind);
     let mut loops: Vec<(&str, Loop)> = vec![
         ("candle_nn", candle_nn_loop(kind)?),
@@ -405,11 +446,16 @@ fn bench(args: &Args, kind: Kind, torch: Option<f64>) -> Result<serde_json::Valu
         l(2)?;
     }
     let mut rates: Vec<Vec<f64>> = vec![vec![]; loops.len()];
+    let mut torch_rates = vec![];
     for _ in 0..args.rounds {
         for (k, (_, l)) in loops.iter_mut().enumerate() {
             rates[k].push(l(steps)?);
         }
+        if let Some(t) = torch.as_deref_mut() {
+            torch_rates.push(t.round(kind)?);
+        }
     }
+    let torch = (!torch_rates.is_empty()).then(|| median(torch_rates));
     let mut obj = serde_json::Map::new();
     let mut med = std::collections::HashMap::new();
     for ((name, _), r) in loops.iter().zip(rates) {

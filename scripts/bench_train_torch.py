@@ -12,9 +12,16 @@ where biases and LayerNorm weights get no weight decay, which is the rule
 accel-rs' Accelerator applies (transformers' `get_parameter_names` grouping).
 
     python3 scripts/bench_train_torch.py --workload all --rounds 5 --json
+
+With `--serve` it runs rounds on request instead, so that `bench_train` can
+alternate them with its own (machine noise then hits both sides alike): it
+prints `{"torch_version": ...}`, then for every line `mlp` or `gpt` on stdin
+runs one timed round of that workload (the first request builds the model
+and runs two untimed warm-up steps) and prints `{"steps_per_s": x}`.
 """
 import argparse
 import json
+import sys
 
 import time
 
@@ -112,6 +119,26 @@ def rate(model, loss, opt, start, n):
     return n / (time.perf_counter() - t)
 
 
+def serve(device):
+    """One timed round per request line; see the module docstring."""
+    print(json.dumps({"torch_version": torch.__version__}), flush=True)
+    live = {}
+    for line in sys.stdin:
+        kind = line.strip()
+        if kind not in ("mlp", "gpt"):
+            print(json.dumps({"error": f"unknown workload {kind!r}"}), flush=True)
+            continue
+        if kind not in live:
+            model, loss, steps = workload(kind, device)
+            opt = adamw(model)
+            rate(model, loss, opt, 0, 2)
+            live[kind] = [model, loss, opt, steps, 2]
+        model, loss, opt, steps, start = live[kind]
+        r = rate(model, loss, opt, start, steps)
+        live[kind][4] = start + steps
+        print(json.dumps({"steps_per_s": r}), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", default="all", choices=["mlp", "gpt", "all"])
@@ -119,9 +146,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--serve", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+    if args.serve:
+        serve(args.device)
+        return
     names = {"mlp": "mlp_784_512_512_10_b64", "gpt": "gpt_v4096_d256_l4_h4_t128_b8"}
     kinds = ["mlp", "gpt"] if args.workload == "all" else [args.workload]
     out = {"torch_version": torch.__version__, "threads": args.threads, "device": args.device}
