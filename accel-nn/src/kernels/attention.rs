@@ -3,7 +3,7 @@
 //!
 //! The composed version copies k and v `n_rep` times (`repeat_kv`),
 //! materialises the mask, runs a five-op softmax, and in backward walks all
-//! of it again. Here every (batch, head) is one rayon task whose gemms read
+//! of it again. Here every (batch, head) is one task on the pool whose gemms read
 //! q, k and v in place with their own strides (a head split of a fused qkv
 //! projection costs no copy), and query heads index their shared kv head
 //! directly. Backward runs one task per (batch, kv head), which owns that

@@ -6,8 +6,9 @@
 //! ~12 of them, with `powf`), strided adds of transposed weight gradients,
 //! zero-padded `cat`s from `narrow` backward and the thread hand-offs each
 //! op pays. Each kernel here does one pass over its data, calls `gemm`
-//! directly with the strides the data already has, and runs on rayon, the
-//! pool gemm uses.
+//! directly with the strides the data already has, and runs on candle's
+//! CPU thread pool, the one candle's own element-wise ops use (see
+//! [`raw::par`] for why not rayon).
 //!
 //! All kernels compute in f32; f16/bf16 tensors are converted on the way in
 //! and out, which also sidesteps candle's missing bf16 CPU gemm. They are
