@@ -53,18 +53,19 @@ multiversion! {
     }
 }
 
-/// `y = act(x)` over whole buffers, in parallel chunks.
-pub(super) fn forward_par(act: Act, x: &[f32], y: &mut [f32]) {
-    par::chunks_mut(y, CHUNK, |i, y| {
+/// `act(x)` as a new buffer, in parallel chunks.
+pub(super) fn forward_new(act: Act, x: &[f32]) -> Vec<f32> {
+    par::new_vec(x.len(), CHUNK, |i, y| {
         act_forward(act, &x[i * CHUNK..][..y.len()], y)
-    });
+    })
 }
 
-/// `g *= act'(x)` over whole buffers, in parallel chunks.
-pub(super) fn backward_par(act: Act, x: &[f32], g: &mut [f32]) {
-    par::chunks_mut(g, CHUNK, |i, g| {
-        act_backward(act, &x[i * CHUNK..][..g.len()], g)
-    });
+/// `g * act'(x)` as a new buffer, in parallel chunks.
+pub(super) fn copy_backward(act: Act, x: &[f32], g: &[f32]) -> Vec<f32> {
+    par::new_vec(g.len(), CHUNK, |i, d| {
+        d.copy_from_slice(&g[i * CHUNK..][..d.len()]);
+        act_backward(act, &x[i * CHUNK..][..d.len()], d)
+    })
 }
 
 struct Pointwise(Act);
@@ -81,17 +82,12 @@ impl CustomOp1 for Pointwise {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = as_f32(s, l)?;
-        let mut y = vec![0f32; x.len()];
-        forward_par(self.0, &x, &mut y);
+        let y = forward_new(self.0, &x);
         Ok((from_f32(y, s.dtype())?, l.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let mut g = with_f32(grad, |g| Ok(g.to_vec()))?;
-        with_f32(x, |x| {
-            backward_par(self.0, x, &mut g);
-            Ok(())
-        })?;
+        let g = with_f32(grad, |g| with_f32(x, |x| Ok(copy_backward(self.0, x, g))))?;
         Ok(Some(tensor_from_f32(g, x.shape(), x.dtype())?))
     }
 }
@@ -138,8 +134,7 @@ impl CustomOp2 for SwiGlu {
             bail!("swiglu: gate {:?} and up {:?} differ", l1.dims(), l2.dims())
         }
         let (g, u) = (as_f32(s1, l1)?, as_f32(s2, l2)?);
-        let mut y = vec![0f32; g.len()];
-        par::chunks_mut(&mut y, CHUNK, |i, y| {
+        let y = par::new_vec(g.len(), CHUNK, |i, y| {
             let at = i * CHUNK..i * CHUNK + y.len();
             swiglu_forward(&g[at.clone()], &u[at], y)
         });

@@ -82,16 +82,17 @@ impl CustomOp1 for Packed {
             .inner
             .run((&qkv, 0, &st), (&qkv, d, &st), (&qkv, 2 * d, &st), dims)?;
         // [b, h, t, hd] -> [b, t, h * hd]
-        let mut merged = vec![0f32; b * t * d];
-        if d > 0 {
-            par::chunks_mut(&mut merged, d, |row, out| {
+        let merged = if d == 0 {
+            Vec::new()
+        } else {
+            par::new_vec(b * t * d, d, |row, out| {
                 let (bi, ti) = (row / t, row % t);
                 for (hi, o) in out.chunks_exact_mut(hd).enumerate() {
                     let src = ((bi * h + hi) * t + ti) * hd;
                     o.copy_from_slice(&y[src..src + hd]);
                 }
-            });
-        }
+            })
+        };
         Ok((from_f32(merged, s.dtype())?, Shape::from((b, t, d))))
     }
 
@@ -103,16 +104,14 @@ impl CustomOp1 for Packed {
             return Ok(Some(qkv.zeros_like()?));
         }
         // [b, t, h * hd] -> [b, h, t, hd]
-        let mut g = vec![0f32; b * t * d];
-        with_f32(grad, |gr| {
-            par::chunks_mut(&mut g, t * hd, |bh, out| {
+        let g = with_f32(grad, |gr| {
+            Ok(par::new_vec(b * t * d, t * hd, |bh, out| {
                 let (bi, hi) = (bh / h, bh % h);
                 for (ti, o) in out.chunks_exact_mut(hd).enumerate() {
                     let src = (bi * t + ti) * d + hi * hd;
                     o.copy_from_slice(&gr[src..src + hd]);
                 }
-            });
-            Ok(())
+            }))
         })?;
         let st = head_strides(dims);
         let (dq, dk, dv) = with_f32(qkv, |x| {
@@ -120,8 +119,7 @@ impl CustomOp1 for Packed {
                 .backward((x, 0, &st), (x, d, &st), (x, 2 * d, &st), &g, dims)
         })?;
         // Scatter the three [b, h, t, hd] gradients into dqkv rows.
-        let mut dqkv = vec![0f32; b * t * 3 * d];
-        par::chunks_mut(&mut dqkv, 3 * d, |row, out| {
+        let dqkv = par::new_vec(b * t * 3 * d, 3 * d, |row, out| {
             let (bi, ti) = (row / t, row % t);
             for (part, src) in [&dq, &dk, &dv].into_iter().enumerate() {
                 for hi in 0..h {

@@ -12,7 +12,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 pub(crate) use super::act::Act;
-use super::act::{backward_par, forward_par};
+use super::act::{copy_backward, forward_new};
 use super::raw::{gemm, gemm_new, par, MatRef};
 use super::skinny;
 use super::{as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32, CHUNK};
@@ -76,7 +76,10 @@ impl LinearOp {
                 if bs.len() != out {
                     bail!("linear: bias has {} entries, expected {out}", bs.len())
                 }
-                let mut y = bs.repeat(n);
+                let rows = (CHUNK / out.max(1)).max(1);
+                let mut y = par::new_vec(n * out, rows * out, |_, y| {
+                    y.chunks_mut(out).for_each(|row| row.copy_from_slice(&bs))
+                });
                 gemm((n, out, inp), &mut y, 0, out, true, x_rows, w_t, 1.0, true);
                 y
             }
@@ -91,8 +94,7 @@ impl LinearOp {
                 y
             }
             act => {
-                let mut a = vec![0f32; y.len()];
-                forward_par(act, &y, &mut a);
+                let a = forward_new(act, &y);
                 *self.pre_activation.lock().unwrap() = Some(y);
                 a
             }
@@ -120,14 +122,12 @@ impl LinearOp {
                 Act::None => g,
                 Act::Relu => {
                     owned = with_f32(res, |y| {
-                        let mut d = g.to_vec();
-                        par::chunks_mut(&mut d, CHUNK, |i, d| {
-                            let y = &y[i * CHUNK..];
-                            d.iter_mut()
-                                .zip(y)
-                                .for_each(|(d, &y)| *d = if y > 0.0 { *d } else { 0.0 })
-                        });
-                        Ok(d)
+                        Ok(par::new_vec(g.len(), CHUNK, |i, d| {
+                            let (g, y) = (&g[i * CHUNK..], &y[i * CHUNK..]);
+                            for ((d, &g), &y) in d.iter_mut().zip(g).zip(y) {
+                                *d = if y > 0.0 { g } else { 0.0 }
+                            }
+                        }))
                     })?;
                     &owned
                 }
@@ -136,9 +136,7 @@ impl LinearOp {
                     let Some(h) = pre.as_ref() else {
                         bail!("linear backward without its forward state")
                     };
-                    let mut d = g.to_vec();
-                    backward_par(act, h, &mut d);
-                    owned = d;
+                    owned = copy_backward(act, h, g);
                     &owned
                 }
             };

@@ -133,10 +133,9 @@ impl Norm {
                 b.map(|b| b.1.dims().to_vec())
             )
         }
-        let mut y = vec![0f32; xs.len()];
         let chunk = rows_per_task(xs.len() / d, d) * d;
         let bs = bs.as_deref();
-        par::chunks_mut(&mut y, chunk, |i, y| {
+        let y = par::new_vec(xs.len(), chunk, |i, y| {
             forward_rows(&xs[i * chunk..][..y.len()], &ws, bs, y, self.eps, self.rms)
         });
         Ok((from_f32(y, x.0.dtype())?, x.1.shape().clone()))

@@ -366,6 +366,36 @@ pub(crate) mod par {
         });
     }
 
+    /// A new buffer of `len` f32s built in parallel: `f(i, chunk)` fills the
+    /// `i`-th `size`-element chunk, which starts zeroed.
+    ///
+    /// Why not `vec![0.0; len]` (or a `to_vec` copy) and [`chunks_mut`]:
+    /// that zero fill is one serial `memset` on the calling thread while
+    /// the pool's other threads wait. Here each task zeroes its own chunk
+    /// just before writing it, in cache. Serial memsets and copies were
+    /// ~12% of the GPT training step's wall time (most of the rest is
+    /// candle's backward zero-filling every gradient); steps alternating
+    /// with the old path in one process ran 2.5-3.5% faster with this.
+    pub(crate) fn new_vec(
+        len: usize,
+        size: usize,
+        f: impl Fn(usize, &mut [f32]) + Sync,
+    ) -> Vec<f32> {
+        let mut v: Vec<f32> = Vec::with_capacity(len);
+        chunks_mut(&mut v.spare_capacity_mut()[..len], size, |i, chunk| {
+            chunk.fill(std::mem::MaybeUninit::new(0.0));
+            // SAFETY: every element of `chunk` was initialised just above,
+            // and `MaybeUninit<f32>` has the layout of `f32`.
+            let chunk = unsafe { &mut *(chunk as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+            f(i, chunk)
+        });
+        // SAFETY: the chunks cover `0..len` (capacity >= len) and each
+        // element was initialised by its task; a panic in `f` propagates out
+        // of `chunks_mut` before this line, dropping `v` at length 0.
+        unsafe { v.set_len(len) };
+        v
+    }
+
     /// `f(i)` for every `i < n` in parallel, collected in order.
     pub(crate) fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
@@ -495,6 +525,28 @@ mod tests {
             ),
             vec![0.0; 6]
         );
+    }
+
+    #[test]
+    fn par_new_vec_fills_every_chunk_from_zero_and_keeps_the_order() {
+        for (len, size) in [(0, 4), (1, 4), (10, 4), (12, 4), (100_003, 16 * 1024)] {
+            let v = par::new_vec(len, size, |i, c| {
+                assert!(
+                    c.iter().all(|&x| x == 0.0),
+                    "chunk {i} did not start zeroed"
+                );
+                for (j, x) in c.iter_mut().enumerate() {
+                    *x = (i * size + j) as f32;
+                }
+            });
+            assert_eq!(v.len(), len);
+            assert!(v.iter().enumerate().all(|(k, &x)| x == k as f32));
+        }
+        // Nested sections run inline instead of deadlocking on candle's pool.
+        let outer = par::new_vec(8, 1, |i, c| {
+            c[0] = par::new_vec(64, 8, |_, c| c.fill(1.0)).iter().sum::<f32>() + i as f32;
+        });
+        assert_eq!(outer, (0..8).map(|i| 64.0 + i as f32).collect::<Vec<_>>());
     }
 
     #[test]

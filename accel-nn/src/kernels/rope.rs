@@ -47,9 +47,8 @@ impl Rope {
     fn rotate(&self, x: &[f32], d: usize, sign: f32) -> Vec<f32> {
         let half = d / 2;
         let t = self.cos.len() / half.max(1);
-        let mut y = vec![0f32; x.len()];
         let rows = rows_per_task(x.len() / d, d);
-        par::chunks_mut(&mut y, rows * d, |task, y| {
+        par::new_vec(x.len(), rows * d, |task, y| {
             let x = &x[task * rows * d..][..y.len()];
             for (r, (y, x)) in y.chunks_exact_mut(d).zip(x.chunks_exact(d)).enumerate() {
                 let pos = (task * rows + r) % t;
@@ -71,8 +70,7 @@ impl Rope {
                     }
                 }
             }
-        });
-        y
+        })
     }
 }
 

@@ -70,9 +70,8 @@ impl CustomOp1 for Softmax {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = as_f32(s, l)?;
         let d = l.dims().last().copied().unwrap_or(1).max(1);
-        let mut y = vec![0f32; x.len()];
         let chunk = rows_per_task(x.len() / d, d) * d;
-        par::chunks_mut(&mut y, chunk, |i, y| {
+        let y = par::new_vec(x.len(), chunk, |i, y| {
             forward_rows(&x[i * chunk..][..y.len()], y, d, self.log)
         });
         Ok((from_f32(y, s.dtype())?, l.shape().clone()))
@@ -80,13 +79,14 @@ impl CustomOp1 for Softmax {
 
     fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let d = x.dims().last().copied().unwrap_or(1).max(1);
-        let mut g = with_f32(grad, |g| Ok(g.to_vec()))?;
-        with_f32(res, |y| {
-            let chunk = rows_per_task(y.len() / d, d) * d;
-            par::chunks_mut(&mut g, chunk, |i, g| {
-                backward_rows(&y[i * chunk..][..g.len()], g, d, self.log)
-            });
-            Ok(())
+        let g = with_f32(grad, |g| {
+            with_f32(res, |y| {
+                let chunk = rows_per_task(y.len() / d, d) * d;
+                Ok(par::new_vec(g.len(), chunk, |i, out| {
+                    out.copy_from_slice(&g[i * chunk..][..out.len()]);
+                    backward_rows(&y[i * chunk..][..out.len()], out, d, self.log)
+                }))
+            })
         })?;
         Ok(Some(tensor_from_f32(g, x.shape(), x.dtype())?))
     }
