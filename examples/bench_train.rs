@@ -17,10 +17,11 @@
 //!
 //! `overhead_pct` compares `accelerator` with `accel_nn` (same model, same
 //! optimizer maths), so it measures only what the Accelerator adds. Rounds
-//! alternate between loops so machine noise hits each alike; the median
-//! round is reported. `CANDLE_NUM_THREADS` (candle's pool for its CPU binary
-//! ops) is reported as `candle_num_threads` when set: on an idle 2-core
-//! machine candle's default (2) measured faster than 1, under load slower.
+//! alternate between loops (odd rounds in reverse order) so machine noise
+//! hits each alike; steps/s are median rounds, and the ratios are medians of
+//! the per-round ratios (rows of one round run seconds apart).
+//! `CANDLE_NUM_THREADS` (the size of candle's CPU pool, which accel-nn's
+//! kernels share) is reported as `candle_num_threads` when set.
 //!
 //! ```text
 //! cargo run --release --example bench_train -- --json
@@ -445,35 +446,46 @@ fn bench(
     for (_, l) in loops.iter_mut() {
         l(2)?;
     }
+    // Every round runs each row once; odd rounds run them in reverse order
+    // (torch first), so no row always follows the same one.
     let mut rates: Vec<Vec<f64>> = vec![vec![]; loops.len()];
     let mut torch_rates = vec![];
-    for _ in 0..args.rounds {
-        for (k, (_, l)) in loops.iter_mut().enumerate() {
-            rates[k].push(l(steps)?);
+    for round in 0..args.rounds {
+        let forward = round % 2 == 0;
+        if let (false, Some(t)) = (forward, torch.as_deref_mut()) {
+            torch_rates.push(t.round(kind)?);
         }
-        if let Some(t) = torch.as_deref_mut() {
+        let mut order: Vec<usize> = (0..loops.len()).collect();
+        if !forward {
+            order.reverse();
+        }
+        for k in order {
+            rates[k].push(loops[k].1(steps)?);
+        }
+        if let (true, Some(t)) = (forward, torch.as_deref_mut()) {
             torch_rates.push(t.round(kind)?);
         }
     }
-    let torch = (!torch_rates.is_empty()).then(|| median(torch_rates));
     let mut obj = serde_json::Map::new();
-    let mut med = std::collections::HashMap::new();
-    for ((name, _), r) in loops.iter().zip(rates) {
-        let m = median(r);
-        med.insert(*name, m);
-        obj.insert(format!("{name}_steps_per_s"), rounded(m));
+    for ((name, _), r) in loops.iter().zip(&rates) {
+        obj.insert(format!("{name}_steps_per_s"), rounded(median(r.clone())));
     }
+    // Ratios are medians of per-round ratios: the two rows of a round ran
+    // seconds apart, so a machine that slows down for a while slows both.
+    let row = |name: &str| &rates[loops.iter().position(|(n, _)| *n == name).unwrap()];
+    let paired = |a: &[f64], b: &[f64]| median(a.iter().zip(b).map(|(x, y)| x / y).collect());
     obj.insert(
         "overhead_pct".into(),
-        rounded((med["accel_nn"] / med["accelerator"] - 1.0) * 100.0),
+        rounded((paired(row("accel_nn"), row("accelerator")) - 1.0) * 100.0),
     );
     obj.insert(
         "accel_nn_vs_candle_nn".into(),
-        rounded(med["accel_nn"] / med["candle_nn"]),
+        rounded(paired(row("accel_nn"), row("candle_nn"))),
     );
-    if let Some(t) = torch {
-        obj.insert("torch_steps_per_s".into(), rounded(t));
-        obj.insert("accel_nn_vs_torch".into(), rounded(med["accel_nn"] / t));
+    if !torch_rates.is_empty() {
+        let vs = paired(row("accel_nn"), &torch_rates);
+        obj.insert("torch_steps_per_s".into(), rounded(median(torch_rates)));
+        obj.insert("accel_nn_vs_torch".into(), rounded(vs));
     }
     if let Some(p) = mixed {
         obj.insert("mixed_precision".into(), p.to_string().into());
