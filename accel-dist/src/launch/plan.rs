@@ -1,12 +1,11 @@
 //! From launcher settings to the processes to start.
 
 use std::ffi::OsString;
-use std::net::TcpListener;
 use std::time::Duration;
 
 use crate::process::{
     ENV_JOB_TOKEN, ENV_LOCAL_RANK, ENV_LOCAL_WORLD_SIZE, ENV_MASTER_ADDR, ENV_MASTER_PORT,
-    ENV_RANK, ENV_TIMEOUT, ENV_WORLD_SIZE,
+    ENV_RANK, ENV_TIMEOUT, ENV_USE_AGENT_STORE, ENV_WORLD_SIZE,
 };
 use crate::{Error, Result};
 
@@ -21,7 +20,8 @@ pub struct LaunchConfig {
     pub machine_rank: usize,
     /// Address of machine 0, where rank 0 hosts the rendezvous store.
     pub main_process_ip: Option<String>,
-    /// Port of the rendezvous store; on one machine a free port is picked when unset.
+    /// Port of the rendezvous store. Unset on one machine, the launcher hosts
+    /// the store itself on a port it holds (see [`LaunchPlan::agent_store`]).
     pub main_process_port: Option<u16>,
     /// Train on the CPU even where a GPU is present (`ACCELERATE_USE_CPU`).
     pub cpu: bool,
@@ -76,6 +76,17 @@ pub struct LaunchPlan {
     pub args: Vec<OsString>,
     /// One entry per local rank.
     pub processes: Vec<RankProcess>,
+    /// The launcher hosts the rendezvous store itself (torchrun's agent
+    /// store): set for a single-machine job with no `main_process_port`.
+    /// [`run`](super::run) binds it on a free loopback port and fills in
+    /// every rank's `MASTER_PORT`; ranks get `ACCEL_USE_AGENT_STORE=1`.
+    ///
+    /// Why: picking a free port, releasing it and letting rank 0 bind it
+    /// later leaves a window in which another job can take the port (rank 0
+    /// then fails with "address in use", or ranks reach the other job's
+    /// store and are refused for the wrong token). A port the launcher holds
+    /// from the start has no such window.
+    pub agent_store: bool,
 }
 
 fn invalid(var: &'static str, value: impl ToString, reason: impl Into<String>) -> Error {
@@ -127,11 +138,13 @@ pub fn plan(config: &LaunchConfig) -> Result<LaunchPlan> {
             ))
         }
     };
+    let agent_store = c.main_process_port.is_none() && !multi;
     let port = match (c.main_process_port, multi) {
         (Some(p), _) => p,
         // torchrun's default; every machine must agree without talking first.
         (None, true) => 29500,
-        (None, false) => free_port()?,
+        // Filled in by `run` once the launcher's store is bound.
+        (None, false) => 0,
     };
     let token = match (&c.job_token, multi) {
         (Some(t), _) => t.clone(),
@@ -157,6 +170,9 @@ pub fn plan(config: &LaunchConfig) -> Result<LaunchPlan> {
                 (ENV_MASTER_PORT.to_string(), port.to_string()),
                 (ENV_JOB_TOKEN.to_string(), token.clone()),
             ];
+            if agent_store {
+                env.push((ENV_USE_AGENT_STORE.to_string(), "1".to_string()));
+            }
             if let Some(t) = c.timeout {
                 env.push((ENV_TIMEOUT.to_string(), t.as_secs_f64().to_string()));
             }
@@ -175,16 +191,8 @@ pub fn plan(config: &LaunchConfig) -> Result<LaunchPlan> {
         program: c.program.clone(),
         args: c.args.clone(),
         processes,
+        agent_store,
     })
-}
-
-/// A port free right now on loopback (the OS picks it).
-fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| Error::Io {
-        context: "binding a free port on 127.0.0.1".into(),
-        source: e,
-    })?;
-    Ok(l.local_addr().map(|a| a.port()).unwrap_or(29500))
 }
 
 /// 128 bits from the OS's randomness, hex-encoded.
@@ -269,13 +277,24 @@ mod tests {
     }
 
     #[test]
-    fn each_single_machine_job_gets_its_own_token_and_a_free_port() {
+    fn each_single_machine_job_gets_its_own_token_and_the_launchers_store() {
         let a = plan(&LaunchConfig::local(1, "x")).unwrap();
         let b = plan(&LaunchConfig::local(1, "x")).unwrap();
         assert_ne!(
             get(&a.processes[0], "ACCEL_JOB_TOKEN"),
             get(&b.processes[0], "ACCEL_JOB_TOKEN")
         );
-        assert_ne!(get(&a.processes[0], "MASTER_PORT"), "0");
+        assert!(a.agent_store);
+        assert_eq!(get(&a.processes[0], "ACCEL_USE_AGENT_STORE"), "1");
+        // An explicit port, or several machines, keep rank 0's store.
+        let mut c = LaunchConfig::local(2, "x");
+        c.main_process_port = Some(29511);
+        let p = plan(&c).unwrap();
+        assert!(!p.agent_store);
+        assert_eq!(get(&p.processes[1], "MASTER_PORT"), "29511");
+        assert!(p.processes[1]
+            .env
+            .iter()
+            .all(|(k, _)| k != "ACCEL_USE_AGENT_STORE"));
     }
 }

@@ -2,6 +2,7 @@
 //! job as soon as one rank fails.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +14,8 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use super::LaunchPlan;
+use crate::process::{ENV_JOB_TOKEN, ENV_MASTER_PORT};
+use crate::rendezvous::StoreServer;
 use crate::{Error, Result};
 
 /// How a plan runs.
@@ -83,9 +86,17 @@ pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
     let stderr: Arc<Mutex<dyn Write + Send>> = Arc::new(Mutex::new(std::io::stderr()));
     let mut children: Vec<(usize, Child)> = vec![];
     let mut pumps = vec![];
+    // Held until every rank has exited (see `LaunchPlan::agent_store`).
+    let store = match plan.agent_store {
+        true => Some(agent_store(plan)?),
+        false => None,
+    };
     for p in &plan.processes {
         let mut cmd = Command::new(&plan.program);
         cmd.args(&plan.args).envs(p.env.iter().map(|(k, v)| (k, v)));
+        if let Some(s) = &store {
+            cmd.env(ENV_MASTER_PORT, s.local_addr().port().to_string());
+        }
         // Each rank leads its own process group so stopping it also stops
         // whatever it started (a wrapper script's children would otherwise
         // live on and keep its output pipes open).
@@ -157,6 +168,18 @@ pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
     }
 }
 
+/// The launcher's rendezvous store on a free loopback port, serving the
+/// job's token.
+fn agent_store(plan: &LaunchPlan) -> Result<StoreServer> {
+    let token = plan
+        .processes
+        .first()
+        .and_then(|p| p.env.iter().find(|(k, _)| k == ENV_JOB_TOKEN))
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_default();
+    StoreServer::bind(SocketAddr::from(([127, 0, 0, 1], 0)), token)
+}
+
 /// SIGTERM to every child, then SIGKILL to those still alive after `grace`.
 fn stop(children: &mut [(usize, Child)], grace: Duration) {
     // A negative pid addresses the child's whole process group.
@@ -180,5 +203,31 @@ fn stop(children: &mut [(usize, Child)], grace: Duration) {
         // SIGKILL the group even when the leader is gone: its children may live on.
         let _ = kill(group(c), Signal::SIGKILL);
         let _ = c.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::{plan, LaunchConfig};
+
+    #[test]
+    fn ranks_of_a_single_machine_job_reach_the_launchers_store() {
+        // Each rank checks that it was told to use the agent store and that
+        // a store answering the job's token listens on MASTER_PORT (bash's
+        // /dev/tcp connects; a refused port fails the rank).
+        let mut c = LaunchConfig::local(2, "bash");
+        c.args = vec![
+            "-c".into(),
+            "test \"$ACCEL_USE_AGENT_STORE\" = 1 && test \"$MASTER_PORT\" -gt 0 \
+             && exec 3<>/dev/tcp/127.0.0.1/$MASTER_PORT"
+                .into(),
+        ];
+        let p = plan(&c).unwrap();
+        let options = RunOptions {
+            prefix_output: false,
+            ..Default::default()
+        };
+        run(&p, &options).unwrap();
     }
 }
