@@ -17,8 +17,8 @@
 //!
 //! `overhead_pct` compares `accelerator` with `accel_nn` (same model, same
 //! optimizer maths), so it measures only what the Accelerator adds. Rounds
-//! alternate between loops (odd rounds in reverse order) so machine noise
-//! hits each alike; steps/s are median rounds, and the ratios are medians of
+//! alternate between loops (odd rounds in reverse order, each round of a
+//! row after one untimed step) so machine noise hits each alike; steps/s are median rounds, and the ratios are medians of
 //! the per-round ratios (rows of one round run seconds apart).
 //! `CANDLE_NUM_THREADS` (the size of candle's CPU pool, which accel-nn's
 //! kernels share) is reported as `candle_num_threads` when set.
@@ -203,6 +203,11 @@ type Loop = Box<dyn FnMut(usize) -> Result<f64>>;
 fn timed(mut step: impl FnMut(usize) -> Result<()> + 'static) -> Loop {
     let mut i = 0;
     Box::new(move |n| {
+        // One untimed step first: the row before may have evicted this one's
+        // weights and buffers from the caches.
+        step(i)?;
+        i += 1;
+        device().synchronize()?;
         let t = Instant::now();
         for _ in 0..n {
             step(i)?;
@@ -446,13 +451,15 @@ fn bench(
     for (_, l) in loops.iter_mut() {
         l(2)?;
     }
-    // Every round runs each row once; odd rounds run them in reverse order
-    // (torch first), so no row always follows the same one.
+    // Every round runs each row once. Even rounds run torch first, odd
+    // rounds the Rust rows in reverse order and torch last, so torch only
+    // ever borders itself and candle_nn, and the pair behind overhead_pct
+    // (accel_nn, accelerator) takes turns going first.
     let mut rates: Vec<Vec<f64>> = vec![vec![]; loops.len()];
     let mut torch_rates = vec![];
     for round in 0..args.rounds {
         let forward = round % 2 == 0;
-        if let (false, Some(t)) = (forward, torch.as_deref_mut()) {
+        if let (true, Some(t)) = (forward, torch.as_deref_mut()) {
             torch_rates.push(t.round(kind)?);
         }
         let mut order: Vec<usize> = (0..loops.len()).collect();
@@ -462,7 +469,7 @@ fn bench(
         for k in order {
             rates[k].push(loops[k].1(steps)?);
         }
-        if let (true, Some(t)) = (forward, torch.as_deref_mut()) {
+        if let (false, Some(t)) = (forward, torch.as_deref_mut()) {
             torch_rates.push(t.round(kind)?);
         }
     }

@@ -16,8 +16,8 @@ accel-rs' Accelerator applies (transformers' `get_parameter_names` grouping).
 With `--serve` it runs rounds on request instead, so that `bench_train` can
 alternate them with its own (machine noise then hits both sides alike): it
 prints `{"torch_version": ...}`, then for every line `mlp` or `gpt` on stdin
-runs one timed round of that workload (the first request builds the model
-and runs two untimed warm-up steps) and prints `{"steps_per_s": x}`.
+runs one untimed step and one timed round of that workload (the first
+request also builds the model and runs two warm-up steps) and prints `{"steps_per_s": x}`.
 """
 import argparse
 import json
@@ -134,8 +134,10 @@ def serve(device):
             rate(model, loss, opt, 0, 2)
             live[kind] = [model, loss, opt, steps, 2]
         model, loss, opt, steps, start = live[kind]
-        r = rate(model, loss, opt, start, steps)
-        live[kind][4] = start + steps
+        # One untimed step first, as bench_train does for its own rows.
+        rate(model, loss, opt, start, 1)
+        r = rate(model, loss, opt, start + 1, steps)
+        live[kind][4] = start + 1 + steps
         print(json.dumps({"steps_per_s": r}), flush=True)
 
 
