@@ -273,10 +273,22 @@ pub(crate) mod par {
             (0..n).for_each(f);
             return;
         }
+        // A panic in `f` is caught on its thread and re-raised here, after
+        // the section: unwinding through candle's pool would poison the lock
+        // it takes per call, and every later element-wise op would panic.
+        let panicked = std::sync::Mutex::new(None);
         candle_core::utils::barrier_pool().execute_chunked(n, |range| {
             let _inside = Inside::enter();
-            range.for_each(&f);
+            let run = std::panic::AssertUnwindSafe(|| range.for_each(&f));
+            if let Err(payload) = std::panic::catch_unwind(run) {
+                let mut first = panicked.lock().unwrap_or_else(|e| e.into_inner());
+                first.get_or_insert(payload);
+            }
         });
+        let payload = panicked.into_inner().unwrap_or_else(|e| e.into_inner());
+        if let Some(payload) = payload {
+            std::panic::resume_unwind(payload)
+        }
     }
 
     /// Marks this thread as inside a parallel section until dropped (also
@@ -547,6 +559,31 @@ mod tests {
             c[0] = par::new_vec(64, 8, |_, c| c.fill(1.0)).iter().sum::<f32>() + i as f32;
         });
         assert_eq!(outer, (0..8).map(|i| 64.0 + i as f32).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn a_panic_in_a_parallel_section_reaches_the_caller_and_leaves_the_pool_working() {
+        let caught = std::panic::catch_unwind(|| {
+            par::for_each(64, |i| assert!(i != 40, "item {i} failed"));
+        });
+        let msg = caught.unwrap_err();
+        let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains("item 40 failed"), "{msg}");
+        // candle's own parallel ops and ours still run afterwards.
+        let t =
+            candle_core::Tensor::ones(1 << 20, candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap();
+        let sum = (&t + &t)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(sum, 2.0 * (1 << 20) as f32);
+        assert_eq!(
+            par::new_vec(1 << 16, 1024, |_, c| c.fill(1.0)).len(),
+            1 << 16
+        );
     }
 
     #[test]
