@@ -124,8 +124,10 @@ impl AcceleratorConfig {
 
 /// A start-up warning when `OMP_NUM_THREADS` asks for a thread count that
 /// accel-rs does not compute with. torchrun (and Accelerate's launcher) size
-/// each rank's CPU threads through it, but accel-rs' kernels and candle's run
-/// on rayon's pool, sized by `RAYON_NUM_THREADS` (which `accel launch` sets);
+/// each rank's CPU threads through it, but accel-rs computes on candle's CPU
+/// pool (accel-nn's kernels, candle's element-wise ops) and rayon's (candle's
+/// matmul, the optimizer kernels), both sized by `RAYON_NUM_THREADS` (which
+/// `accel launch` sets; `CANDLE_NUM_THREADS` overrides it for candle's);
 /// without this a torchrun job of N ranks silently ran N pools of all cores.
 /// `None` when `RAYON_NUM_THREADS` is set (an explicit choice) or the counts agree.
 pub fn omp_threads_notice(
@@ -140,12 +142,13 @@ pub fn omp_threads_notice(
     match omp.parse::<usize>() {
         Ok(n) if n > 0 && n == pool_threads => None,
         Ok(n) if n > 0 => Some(format!(
-            "OMP_NUM_THREADS={n} has no effect on accel-rs, which computes on rayon's pool of \
-             {pool_threads} threads; set RAYON_NUM_THREADS={n} as well (accel launch sets both)"
+            "OMP_NUM_THREADS={n} has no effect on accel-rs, which computes on pools of \
+             {pool_threads} threads sized by RAYON_NUM_THREADS; set RAYON_NUM_THREADS={n} as well \
+             (accel launch sets both)"
         )),
         _ => Some(format!(
             "OMP_NUM_THREADS={omp:?} is not a positive number of threads and has no effect; \
-             accel-rs computes on rayon's pool of {pool_threads} threads (RAYON_NUM_THREADS)"
+             accel-rs computes on pools of {pool_threads} threads (RAYON_NUM_THREADS)"
         )),
     }
 }
