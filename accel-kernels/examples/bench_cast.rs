@@ -144,7 +144,7 @@ fn main() -> candle_core::Result<()> {
         .map(|&(bytes, reps)| bench_size(bytes / 4, reps))
         .collect::<candle_core::Result<Vec<_>>>()?;
     let out = json!({
-        "threads": rayon::current_num_threads(),
+        "threads": accel_kernels::par::threads(),
         "bytes_counted": "read + written",
         "sizes": results,
     });

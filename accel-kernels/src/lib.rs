@@ -36,6 +36,7 @@ mod fallback;
 mod hyperparams;
 mod multi_tensor;
 mod optim;
+pub mod par;
 mod slices;
 mod validate;
 

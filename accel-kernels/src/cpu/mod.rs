@@ -3,7 +3,7 @@
 //! Every multi-tensor op works the same way: the slices of all tensors of a
 //! list are cut into *pieces*, the pieces are packed into *bundles* of
 //! [`CHUNK`] elements regardless of tensor boundaries, and the bundles run
-//! as one rayon pass. Big tensors are spread over all threads, and a list of
+//! as one parallel pass on candle's CPU pool ([`crate::par`]). Big tensors are spread over all threads, and a list of
 //! many small tensors still costs a handful of jobs rather than one each.
 
 pub(crate) mod adamw;
@@ -11,11 +11,9 @@ pub(crate) mod cast;
 pub(crate) mod norm;
 pub(crate) mod unscale;
 
-use rayon::prelude::*;
-
 use crate::slices::{FloatSlice, FloatSliceMut};
 
-/// Elements per bundle: large enough to amortise a rayon job, small enough
+/// Elements per bundle: large enough to amortise a parallel task, small enough
 /// (256 KiB of f32) to balance the load and stay cache friendly.
 pub(crate) const CHUNK: usize = 64 * 1024;
 
@@ -215,8 +213,8 @@ where
 {
     let total: usize = pieces.iter().map(Piece::len).sum();
     let bundles = bundle(pieces, plan.chunk);
-    if total >= plan.min_parallel && bundles.len() > 1 && rayon::current_num_threads() > 1 {
-        bundles.into_par_iter().map(f).collect()
+    if total >= plan.min_parallel && bundles.len() > 1 && crate::par::threads() > 1 {
+        crate::par::map(bundles, f)
     } else {
         bundles.into_iter().map(f).collect()
     }

@@ -21,14 +21,11 @@ pub(crate) const SEQUENTIAL: Plan = Plan {
     min_parallel: usize::MAX,
 };
 
-/// Runs `f` on a dedicated 4-thread pool, so parallel paths really run in
-/// parallel even on a 2-core machine.
+/// Runs `f` as if candle's pool had 4 threads, so the parallel paths are
+/// taken even on a machine with fewer cores (they run on the pool's
+/// threads, in parallel wherever it has more than one).
 pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(4)
-        .build()
-        .unwrap()
-        .install(f)
+    crate::par::with_threads(4, f)
 }
 
 /// Deterministic pseudo-random f32 values in [-scale, scale).

@@ -218,94 +218,16 @@ unsafe fn gemm_split(
 /// Below this many flops a gemm runs on the calling thread.
 const PAR_MIN_FLOPS: usize = 1 << 20;
 
-/// Data parallelism for the kernels, on candle's CPU thread pool.
-///
-/// Why not rayon: candle runs its own element-wise ops (the residual adds,
-/// and the zero-fill-and-add of every gradient in its backward) on that
-/// pool, whose workers spin for a while after each op before they park.
-/// Kernels on a second pool share two cores with a spinning worker; on
-/// candle's they run on the threads that would spin. Measured on the GPT
-/// training step (2 cores, steps alternating in one process): gemm on
-/// candle's pool instead of rayon's took 4-7% off the step.
-///
-/// `CANDLE_NUM_THREADS` sets the pool's size (candle's default: the
-/// physical cores). A call made from inside a parallel section (a kernel
-/// calling another) runs on the calling thread: candle's pool is not
-/// re-entrant.
+/// Data parallelism for the kernels, on candle's CPU thread pool: the
+/// sections themselves are [`accel_kernels::par`]'s (one pool and one
+/// nesting rule with the optimizer kernels); the parts here hand disjoint
+/// chunks of a buffer to them, which takes `unsafe`.
 pub(crate) mod par {
-    use std::cell::Cell;
+    #[cfg(test)]
+    pub(crate) use accel_kernels::par::with_threads;
+    pub(crate) use accel_kernels::par::{for_each, threads};
 
     use super::SendPtr;
-
-    thread_local! {
-        /// Set while this thread runs a part of a parallel section.
-        static INSIDE: Cell<bool> = const { Cell::new(false) };
-        /// A thread count the tests impose on this thread (0: none).
-        static IMPOSED: Cell<usize> = const { Cell::new(0) };
-    }
-
-    /// Threads a parallel section runs on here (1 inside one already).
-    pub(crate) fn threads() -> usize {
-        if INSIDE.with(Cell::get) {
-            return 1;
-        }
-        match IMPOSED.with(Cell::get) {
-            0 => candle_core::utils::barrier_pool().n_workers() + 1,
-            n => n,
-        }
-    }
-
-    /// Runs `f` as if the pool had `n` threads: serial for 1, and for any
-    /// `n` the kernels split their work as they would for `n` threads.
-    #[cfg(test)]
-    pub(crate) fn with_threads<R>(n: usize, f: impl FnOnce() -> R) -> R {
-        let was = IMPOSED.with(|c| c.replace(n));
-        let r = f();
-        IMPOSED.with(|c| c.set(was));
-        r
-    }
-
-    /// Runs `f(i)` for every `i < n` over the pool's threads, returning when
-    /// all are done. Items are handed out from a shared cursor, so a thread
-    /// the OS preempts does not hold the others back.
-    pub(crate) fn for_each(n: usize, f: impl Fn(usize) + Sync) {
-        if n <= 1 || threads() <= 1 {
-            (0..n).for_each(f);
-            return;
-        }
-        // A panic in `f` is caught on its thread and re-raised here, after
-        // the section: unwinding through candle's pool would poison the lock
-        // it takes per call, and every later element-wise op would panic.
-        let panicked = std::sync::Mutex::new(None);
-        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
-            let _inside = Inside::enter();
-            let run = std::panic::AssertUnwindSafe(|| range.for_each(&f));
-            if let Err(payload) = std::panic::catch_unwind(run) {
-                let mut first = panicked.lock().unwrap_or_else(|e| e.into_inner());
-                first.get_or_insert(payload);
-            }
-        });
-        let payload = panicked.into_inner().unwrap_or_else(|e| e.into_inner());
-        if let Some(payload) = payload {
-            std::panic::resume_unwind(payload)
-        }
-    }
-
-    /// Marks this thread as inside a parallel section until dropped (also
-    /// when `f` panics, so a caught panic does not leave the thread serial).
-    struct Inside(bool);
-
-    impl Inside {
-        fn enter() -> Self {
-            Self(INSIDE.with(|c| c.replace(true)))
-        }
-    }
-
-    impl Drop for Inside {
-        fn drop(&mut self) {
-            INSIDE.with(|c| c.set(self.0));
-        }
-    }
 
     /// `f(i, chunk)` for the `i`-th `size`-element chunk of `data` (the
     /// last may be shorter), in parallel.
@@ -559,31 +481,6 @@ mod tests {
             c[0] = par::new_vec(64, 8, |_, c| c.fill(1.0)).iter().sum::<f32>() + i as f32;
         });
         assert_eq!(outer, (0..8).map(|i| 64.0 + i as f32).collect::<Vec<_>>());
-    }
-
-    #[test]
-    fn a_panic_in_a_parallel_section_reaches_the_caller_and_leaves_the_pool_working() {
-        let caught = std::panic::catch_unwind(|| {
-            par::for_each(64, |i| assert!(i != 40, "item {i} failed"));
-        });
-        let msg = caught.unwrap_err();
-        let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
-        assert!(msg.contains("item 40 failed"), "{msg}");
-        // candle's own parallel ops and ours still run afterwards.
-        let t =
-            candle_core::Tensor::ones(1 << 20, candle_core::DType::F32, &candle_core::Device::Cpu)
-                .unwrap();
-        let sum = (&t + &t)
-            .unwrap()
-            .sum_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
-        assert_eq!(sum, 2.0 * (1 << 20) as f32);
-        assert_eq!(
-            par::new_vec(1 << 16, 1024, |_, c| c.fill(1.0)).len(),
-            1 << 16
-        );
     }
 
     #[test]
