@@ -125,8 +125,8 @@ impl AcceleratorConfig {
 /// A start-up warning when `OMP_NUM_THREADS` asks for a thread count that
 /// accel-rs does not compute with. torchrun (and Accelerate's launcher) size
 /// each rank's CPU threads through it, but accel-rs computes on candle's CPU
-/// pool (accel-nn's kernels, candle's element-wise ops) and rayon's (candle's
-/// matmul, the optimizer kernels), both sized by `RAYON_NUM_THREADS` (which
+/// pool (accel-nn's and accel-kernels' kernels, candle's element-wise ops)
+/// and rayon's (candle's own matmul), both sized by `RAYON_NUM_THREADS` (which
 /// `accel launch` sets; `CANDLE_NUM_THREADS` overrides it for candle's);
 /// without this a torchrun job of N ranks silently ran N pools of all cores.
 /// `None` when `RAYON_NUM_THREADS` is set (an explicit choice) or the counts agree.
