@@ -74,7 +74,7 @@ class Gpt(nn.Module):
 
     def loss(self, idx, targets):
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for blk in self.h:
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.t()

@@ -176,7 +176,13 @@ fn lists_with_odd_sizes_and_offsets_use_every_path() -> Result<()> {
             .collect::<Result<_>>()?;
         cast_into(&src, &dst)?;
         for ((s, o), d) in src.iter().zip(&outs).zip(&dst) {
-            let want = bits(&s.to_dtype(to)?)?;
+            // candle's CUDA `to_dtype` launches an empty grid for an empty tensor, which the
+            // driver refuses (CUDA_ERROR_INVALID_VALUE); the reference of nothing is nothing.
+            let want = if s.elem_count() == 0 {
+                Vec::new()
+            } else {
+                bits(&s.to_dtype(to)?)?
+            };
             assert_bits_eq("cast_tensors", &bits(o)?, &want);
             assert_bits_eq("cast_into (offset destination)", &bits(d)?, &want);
         }

@@ -116,7 +116,7 @@ impl StockGpt {
             wpe: candle_nn::embedding(cfg.block_size, d, vb.pp("wpe"))?,
             blocks,
             ln_f: ln(vb.pp("ln_f"), d)?,
-            mask: Tensor::from_vec(mask, (n, n), &Device::Cpu)?.to_dtype(vb.dtype())?,
+            mask: Tensor::from_vec(mask, (n, n), vb.device())?.to_dtype(vb.dtype())?,
         })
     }
 

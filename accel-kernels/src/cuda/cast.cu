@@ -12,10 +12,10 @@ __device__ __forceinline__ void cast_chunks(const u64 *table, u32 n_chunks) {
         Chunk k = chunk_at(table, c);
         const SR *src = (const SR *)k.p[0];
         DR *dst = (DR *)k.p[1];
-        chunk_loop(
+        chunk_loop_staged(
             k.n, vec_aligned(src) && vec_aligned(dst),
-            [&](u64 i) {
-                Pack<SR> a = load_pack(src, i);
+            [&](u64 i) { return load_pack(src, i); },
+            [&](u64 i, const Pack<SR> &a) {
                 Pack<DR> b;
 #pragma unroll
                 for (int j = 0; j < VEC; j++) {

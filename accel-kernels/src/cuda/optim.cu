@@ -17,11 +17,16 @@ __device__ __forceinline__ void add_chunks(const u64 *table, u32 n_chunks) {
         Chunk k = chunk_at(table, c);
         float *dst = (float *)k.p[0];
         const SR *src = (const SR *)k.p[1];
-        chunk_loop(
+        struct Both {
+            Pack<float> d;
+            Pack<SR> s;
+        };
+        chunk_loop_staged(
             k.n, vec_aligned(dst) && vec_aligned(src),
-            [&](u64 i) {
-                Pack<float> d = load_pack(dst, i);
-                Pack<SR> s = load_pack(src, i);
+            [&](u64 i) { return Both{load_pack(dst, i), load_pack(src, i)}; },
+            [&](u64 i, Both b) {
+                Pack<float> d = b.d;
+                Pack<SR> s = b.s;
 #pragma unroll
                 for (int j = 0; j < VEC; j++) {
                     d.v[j] = d.v[j] + S::load(s.v[j]);

@@ -20,10 +20,9 @@ __device__ __forceinline__ void scale_chunks(const u64 *table, u32 n_chunks, flo
     for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         Chunk k = chunk_at(table, c);
         R *x = (R *)k.p[0];
-        chunk_loop(
-            k.n, vec_aligned(x),
-            [&](u64 i) {
-                Pack<R> a = load_pack(x, i);
+        chunk_loop_staged(
+            k.n, vec_aligned(x), [&](u64 i) { return load_pack(x, i); },
+            [&](u64 i, Pack<R> a) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) {
                     float v = T::load(a.v[j]);
@@ -65,10 +64,9 @@ __device__ __forceinline__ void clamp_chunks(const u64 *table, u32 n_chunks, flo
             v = v > hi ? hi : v;
             return T::store(v);
         };
-        chunk_loop(
-            k.n, vec_aligned(x),
-            [&](u64 i) {
-                Pack<R> a = load_pack(x, i);
+        chunk_loop_staged(
+            k.n, vec_aligned(x), [&](u64 i) { return load_pack(x, i); },
+            [&](u64 i, Pack<R> a) {
 #pragma unroll
                 for (int j = 0; j < VEC; j++) {
                     a.v[j] = clamp1(a.v[j]);

@@ -359,7 +359,20 @@ fn cpu_offload_with_hook_evicts_the_previous_model_on_first_forward() {
         .unwrap()
         .to_device(&Device::Cpu)
         .unwrap();
-    assert_eq!(bits(&y), bits(&plain_forward(&plain_a, &x)));
+    // cuBLAS sums in another order than the CPU's gemm: equal within rounding, not bitwise
+    // (the H200 run differed in the last bit of 9 of 12 outputs).
+    let want = plain_forward(&plain_a, &x);
+    let (y, want) = (
+        y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+    );
+    assert_eq!(y.len(), want.len());
+    for (i, (g, w)) in y.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+            "output {i}: GPU {g} vs CPU {w}"
+        );
+    }
     assert!(
         !ha.is_offloaded(),
         "a's weights stay on the GPU after its forward"
