@@ -9,14 +9,15 @@
 # PyPI) and links against the CUDA libraries' pip wheels (PyPI ships no libcuda, so a stub with
 # the driver API's names stands in for it at link time; the machine's driver is what loads). The
 # binaries are linked with lazy binding, so a function the GPU machine's NCCL lacks fails only if
-# called. `run` finds libcuda, libnvrtc, libcublas(Lt), libcurand and libnccl on the GPU machine
+# called. `run` finds libcuda, libnvrtc, libcublas(Lt), libcurand, libcudart and libnccl on the GPU machine
 # (ldconfig, the CUDA toolkit, the Python `nvidia` packages) and makes the build's repository
 # path point at this checkout (the test binaries hold absolute paths to fixtures and helpers).
 #
 # The checks (each bounded by `timeout`; a summary line each at the end):
 # 1. accel-kernels/tests/cuda.rs: casts bit for bit against candle's to_dtype (all 65536
 #    bf16/f16 patterns, f32 specials), unscale flag, in-place and optimizer ops vs CPU, a kernel
-#    write seen by another thread's stream; plus the NVRTC source check (accel-kernels lib);
+#    write seen by another thread's stream, freed memory kept until empty_cache; plus the NVRTC
+#    source check (accel-kernels lib);
 # 2. accel-kernels/examples/device_bench.rs: one JSON line, GB/s vs peak and vs memcpy;
 # 3. accel-dist/tests/nccl.rs: NCCL init + every collective (world 1; world 2 with 2 GPUs);
 #    accel-nn: cpu_offload_with_hook evicts the previous model from the GPU;

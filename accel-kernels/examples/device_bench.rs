@@ -11,7 +11,10 @@
 //!
 //! Bandwidth counts bytes read plus bytes written. Each entry reports GB/s,
 //! the fraction of the theoretical peak (2 x memory clock x bus width, from
-//! the device attributes) and of the measured memcpy.
+//! the device attributes) and of the measured memcpy. `sizes` runs with the
+//! memory pool `cuda_device` sets up (freed memory kept for the process);
+//! `sizes_driver_default_pool` repeats the large sizes first, with the
+//! driver's default pool (freed memory released at each synchronisation).
 //! Run: `cargo run --release -p accel-kernels --features cuda --example device_bench`.
 
 use std::time::Instant;
@@ -30,19 +33,23 @@ type Op<'a> = (&'static str, f64, Box<dyn FnMut() -> Result<()> + 'a>);
 /// Tensors per list: the kernels are multi-tensor, so lists are measured.
 const TENSORS: usize = 8;
 
-/// Median seconds of `reps` runs of `f`, each followed by a device sync.
-fn median_secs(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+/// Median seconds of `reps` runs of `f`, each followed by a device sync, and
+/// the median host time of the call alone (enqueueing: building and uploading
+/// the chunk table, locking, launching), which the device waits behind.
+fn median_secs(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     f()?;
     dev.synchronize()?;
-    let mut t = Vec::with_capacity(reps);
+    let (mut t, mut q) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
     for _ in 0..reps {
         let start = Instant::now();
         f()?;
+        q.push(start.elapsed().as_secs_f64());
         dev.synchronize()?;
         t.push(start.elapsed().as_secs_f64());
     }
     t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    q.sort_by(f64::total_cmp);
+    Ok((t[t.len() / 2], q[q.len() / 2]))
 }
 
 fn list(dev: &Device, n: usize, dtype: DType) -> Result<Vec<Tensor>> {
@@ -75,15 +82,15 @@ fn bench_size(dev: &Device, n: usize, peak: f64, reps: usize) -> Result<Value> {
     let mut b = stream.alloc_zeros::<f32>(per)?;
     let total = (per * TENSORS) as f64;
 
-    // (name, bytes moved per element, median seconds)
-    let mut entries: Vec<(&str, f64, f64)> = Vec::new();
-    let memcpy = median_secs(dev, reps, || {
+    // (name, bytes moved per element, median seconds, median enqueue seconds)
+    let mut entries: Vec<(&str, f64, f64, f64)> = Vec::new();
+    let (memcpy, memcpy_q) = median_secs(dev, reps, || {
         for _ in 0..TENSORS {
             stream.memcpy_dtod(&a, &mut b)?;
         }
         Ok(())
     })?;
-    entries.push(("memcpy_dtod_f32", 8.0, memcpy));
+    entries.push(("memcpy_dtod_f32", 8.0, memcpy, memcpy_q));
     let hp = AdamWParams::default();
     let mut step = 0u64;
     let ops: Vec<Op<'_>> = vec![
@@ -137,16 +144,17 @@ fn bench_size(dev: &Device, n: usize, peak: f64, reps: usize) -> Result<Value> {
         ),
     ];
     for (name, bytes, mut f) in ops {
-        let secs = median_secs(dev, reps, &mut f)?;
-        entries.push((name, bytes, secs));
+        let (secs, enqueue) = median_secs(dev, reps, &mut f)?;
+        entries.push((name, bytes, secs, enqueue));
     }
     let memcpy_gbs = total * 8.0 / memcpy / 1e9;
     let ops: serde_json::Map<String, Value> = entries
         .into_iter()
-        .map(|(name, bytes, secs)| {
+        .map(|(name, bytes, secs, enqueue)| {
             let gbs = total * bytes / secs / 1e9;
             let v = json!({
                 "us": round3(secs * 1e6),
+                "enqueue_us": round3(enqueue * 1e6),
                 "gb_per_s": round3(gbs),
                 "of_peak": round3(gbs / peak),
                 "of_memcpy": round3(gbs / memcpy_gbs),
@@ -168,6 +176,14 @@ fn main() -> Result<()> {
     let t0 = Instant::now();
     accel_kernels::cuda::precompile(&dev)?;
     let compile_ms = t0.elapsed().as_secs_f64() * 1e3;
+    // The driver's default pool (freed memory released at each synchronisation) against the
+    // setting `cuda_device` makes (freed memory kept), in one process, on the large sizes.
+    accel_kernels::cuda::retain_freed_memory(&dev, false)?;
+    let mut driver_default = Vec::new();
+    for (n, reps) in [(1 << 26, 10), (1 << 28, 5)] {
+        driver_default.push(bench_size(&dev, n, peak_gbs, reps)?);
+    }
+    accel_kernels::cuda::retain_freed_memory(&dev, true)?;
     let mut sizes = Vec::new();
     for (n, reps) in [(1 << 20, 50), (1 << 24, 20), (1 << 26, 10), (1 << 28, 5)] {
         sizes.push(bench_size(&dev, n, peak_gbs, reps)?);
@@ -181,6 +197,7 @@ fn main() -> Result<()> {
         "theoretical_peak_gb_per_s": round3(peak_gbs),
         "nvrtc_compile_and_load_ms": round3(compile_ms),
         "sizes": sizes,
+        "sizes_driver_default_pool": driver_default,
     });
     println!("{out}");
     Ok(())

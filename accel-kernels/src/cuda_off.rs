@@ -21,6 +21,24 @@ pub fn precompile(_device: &Device) -> Result<()> {
     off()
 }
 
+/// Keeps freed device memory reserved for the process; this build has no
+/// CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn retain_freed_memory(_device: &Device, _retain: bool) -> Result<()> {
+    off()
+}
+
+/// Gives reserved device memory back to the driver; this build has no CUDA
+/// support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn empty_cache(_device: &Device) -> Result<()> {
+    off()
+}
+
 pub(crate) fn storage_key(_storage: &Storage) -> Option<usize> {
     None
 }

@@ -19,6 +19,12 @@
 //! at once, before any tensor of it exists, and keeps it for the life of
 //! the process: every allocation then carries read/write events, candle's
 //! ops and ours wait on them, and frees wait for the last use.
+//!
+//! # Memory
+//!
+//! Each device made here keeps freed memory reserved for the process (the
+//! memory pool's release threshold is raised; see
+//! `accel_kernels::cuda::retain_freed_memory` and `empty_cache`).
 
 use std::sync::{Mutex, OnceLock};
 
@@ -49,6 +55,10 @@ pub fn cuda_device(ordinal: usize) -> candle_core::Result<Device> {
         return Ok(slot.device.clone());
     }
     let device = Device::new_cuda(ordinal)?;
+    // Freed memory stays with the process, as with PyTorch's caching
+    // allocator (see `cuda::retain_freed_memory`).
+    #[cfg(feature = "cuda")]
+    crate::cuda::retain_freed_memory(&device, true).map_err(candle_core::Error::wrap)?;
     let slot = Slot {
         #[cfg(feature = "cuda")]
         _side: side_stream(&device)?,

@@ -393,3 +393,34 @@ fn a_kernel_write_is_ordered_before_a_read_on_another_thread() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+fn freed_memory_stays_reserved_until_empty_cache() -> Result<()> {
+    let dev = cuda("freed_memory_stays_reserved_until_empty_cache");
+    let ctx = dev.as_cuda_device()?.cuda_stream().context().clone();
+    let free = || -> Result<usize> { Ok(ctx.mem_get_info().expect("cuMemGetInfo").0) };
+    const GIB: usize = 1 << 30;
+    accel_kernels::cuda::empty_cache(&dev)?;
+    let before = free()?;
+    {
+        let t = Tensor::zeros(GIB / 4, DType::F32, &dev)?;
+        dev.synchronize()?;
+        assert!(free()? + GIB / 2 < before, "the 1 GiB tensor is allocated");
+        drop(t);
+    }
+    dev.synchronize()?;
+    assert!(
+        free()? + GIB / 2 < before,
+        "the freed GiB stays with the process across a synchronisation"
+    );
+    accel_kernels::cuda::empty_cache(&dev)?;
+    assert!(free()? + GIB / 4 > before, "empty_cache gives it back");
+    // The driver's default: released at the next synchronisation.
+    accel_kernels::cuda::retain_freed_memory(&dev, false)?;
+    drop(Tensor::zeros(GIB / 4, DType::F32, &dev)?);
+    dev.synchronize()?;
+    assert!(free()? + GIB / 4 > before, "released without empty_cache");
+    accel_kernels::cuda::retain_freed_memory(&dev, true)?;
+    Ok(())
+}

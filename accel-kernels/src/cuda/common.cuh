@@ -150,7 +150,8 @@ __device__ __forceinline__ void chunk_loop(u64 n, bool aligned, FV vec, F1 one) 
 #define UNROLL 4
 
 // `chunk_loop` for bandwidth-bound kernels: each thread issues the loads of
-// UNROLL vectors before it consumes any. A plain loop of load-compute-store
+// UNROLL vectors (twice as many when what `load` returns is 8 bytes or less,
+// such as 4 bf16) before it consumes any. A plain loop of load-compute-store
 // keeps one load in flight per thread, since the compiler may not hoist the
 // next iteration's load above a store that could alias it; on an H200 that
 // held casts and unscale at about 60% of the copy bandwidth. `load(i)`
@@ -159,17 +160,19 @@ __device__ __forceinline__ void chunk_loop(u64 n, bool aligned, FV vec, F1 one) 
 template <typename LD, typename FIN, typename F1>
 __device__ __forceinline__ void chunk_loop_staged(u64 n, bool aligned, LD load, FIN finish,
                                                   F1 one) {
+    typedef decltype(load(0)) Loaded;
+    constexpr int U = sizeof(Loaded) <= 8 ? 2 * UNROLL : UNROLL;
     u64 nv = aligned ? n / VEC : 0;
     u64 stride = blockDim.x;
     u64 i = threadIdx.x;
-    for (; i + (UNROLL - 1) * stride < nv; i += UNROLL * stride) {
-        decltype(load(0)) a[UNROLL];
+    for (; i + (U - 1) * stride < nv; i += U * stride) {
+        Loaded a[U];
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             a[u] = load((i + u * stride) * VEC);
         }
 #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             finish((i + u * stride) * VEC, a[u]);
         }
     }

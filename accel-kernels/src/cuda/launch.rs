@@ -1,4 +1,5 @@
-//! Kernel launches: the only `unsafe` of accel-kernels.
+//! Kernel launches, and the two driver calls on the device memory pool:
+//! the only `unsafe` of accel-kernels.
 //!
 //! A launch is unsafe because the driver cannot check that the arguments
 //! match the kernel's C signature or that the kernel stays inside its
@@ -9,7 +10,11 @@
 #![allow(unsafe_code)]
 
 use candle_core::cuda::CudaDevice;
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 use super::operands::TABLE_WORDS;
 use super::{function, KernelId, WrapDriver};
@@ -179,4 +184,38 @@ pub(crate) fn launch(
     // free after this launch.
     unsafe { b.launch(cfg) }.w(op, "launch")?;
     Ok(())
+}
+
+/// The current memory pool of the context's device.
+fn current_pool(ctx: &Arc<CudaContext>) -> Result<sys::CUmemoryPool> {
+    // SAFETY: `cu_device` is the device handle cudarc got from `cuDeviceGet`
+    // for this live context; the call only writes the out-parameter.
+    unsafe { result::device::get_mem_pool(ctx.cu_device()) }.w("memory_pool", "cuDeviceGetMemPool")
+}
+
+/// Sets the release threshold (bytes kept reserved across synchronisations)
+/// of the context's current memory pool.
+pub(crate) fn set_release_threshold(ctx: &Arc<CudaContext>, bytes: u64) -> Result<()> {
+    let pool = current_pool(ctx)?;
+    let mut value = bytes;
+    // SAFETY: `pool` is the device's live current pool, and
+    // CU_MEMPOOL_ATTR_RELEASE_THRESHOLD takes a pointer to a `cuuint64_t`,
+    // which `value` is (a u64 that outlives the call).
+    unsafe {
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut value as *mut u64).cast(),
+        )
+    }
+    .w("memory_pool", "cuMemPoolSetAttribute")
+}
+
+/// Releases the memory the context's current pool holds beyond its live
+/// allocations.
+pub(crate) fn trim_pool(ctx: &Arc<CudaContext>) -> Result<()> {
+    let pool = current_pool(ctx)?;
+    // SAFETY: `pool` is the device's live current pool; trimming only
+    // releases memory no allocation holds.
+    unsafe { result::mem_pool::trim_to(pool, 0) }.w("memory_pool", "cuMemPoolTrimTo")
 }

@@ -61,6 +61,7 @@
 mod launch;
 mod operands;
 mod ops;
+mod pool;
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
@@ -74,6 +75,7 @@ use crate::{Error, Result};
 
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
+pub use pool::{empty_cache, retain_freed_memory};
 
 /// Smallest and largest chunk of a launch table, in elements. Chunk
 /// lengths are powers of two (multiples of the vector width, so every chunk
