@@ -9,7 +9,7 @@
 //! from tensor ops and `ops::softmax`. Everything else is candle-nn's own:
 //! `linear`, `embedding`, `Module::forward`, `loss::cross_entropy`, `AdamW`.
 
-use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Embedding, Linear, VarBuilder};
 
 use crate::GptConfig;
@@ -157,6 +157,7 @@ impl StockGpt {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
     use candle_nn::VarMap;
 
     /// The stock models are fair baselines only if they train every weight.
