@@ -39,6 +39,14 @@ pub fn empty_cache(_device: &Device) -> Result<()> {
     off()
 }
 
+/// Free and total device memory; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn mem_get_info(_device: &Device) -> Result<(usize, usize)> {
+    off()
+}
+
 pub(crate) fn storage_key(_storage: &Storage) -> Option<usize> {
     None
 }

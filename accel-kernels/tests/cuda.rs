@@ -398,8 +398,7 @@ fn a_kernel_write_is_ordered_before_a_read_on_another_thread() -> Result<()> {
 #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
 fn freed_memory_stays_reserved_until_empty_cache() -> Result<()> {
     let dev = cuda("freed_memory_stays_reserved_until_empty_cache");
-    let ctx = dev.as_cuda_device()?.cuda_stream().context().clone();
-    let free = || -> Result<usize> { Ok(ctx.mem_get_info().expect("cuMemGetInfo").0) };
+    let free = || -> Result<usize> { Ok(accel_kernels::cuda::mem_get_info(&dev)?.0) };
     const GIB: usize = 1 << 30;
     accel_kernels::cuda::empty_cache(&dev)?;
     let before = free()?;

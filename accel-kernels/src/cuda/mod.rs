@@ -75,7 +75,7 @@ use crate::{Error, Result};
 
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
-pub use pool::{empty_cache, retain_freed_memory};
+pub use pool::{empty_cache, mem_get_info, retain_freed_memory};
 
 /// Smallest and largest chunk of a launch table, in elements. Chunk
 /// lengths are powers of two (multiples of the vector width, so every chunk

@@ -16,6 +16,7 @@
 use candle_core::Device;
 
 use super::launch::{set_release_threshold, trim_pool};
+use super::WrapDriver;
 use crate::{Error, Result};
 
 /// The CUDA device behind `device`, or an error naming `op`.
@@ -63,4 +64,17 @@ pub fn empty_cache(device: &Device) -> Result<()> {
     }
     device.synchronize()?;
     trim_pool(&ctx)
+}
+
+/// Free and total memory of `device` in bytes, as the driver reports them
+/// (`torch.cuda.mem_get_info()`). Memory the pool keeps for the process
+/// counts as used.
+///
+/// # Errors
+/// [`Error::Cuda`] from the driver, [`Error::InvalidArgument`] for a
+/// non-CUDA device.
+pub fn mem_get_info(device: &Device) -> Result<(usize, usize)> {
+    let dev = cuda("mem_get_info", device)?;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.mem_get_info().w("mem_get_info", "cuMemGetInfo")
 }
