@@ -50,6 +50,8 @@ esac
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target}
 [ "$MODE" = all ] || export CARGO_TARGET_DIR=$ROOT/target/gpu
 FEATURES=accel-core/nccl
+# The CUDA libraries the binaries link (libcuda.so.1 comes from the driver; at build time a stub).
+CUDA_LIBS=(libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnccl.so.2 libcudart.so.13)
 MANIFEST=$CARGO_TARGET_DIR/gpu_check.bins
 
 # ------------------------------------------------------------------------------------ build
@@ -77,7 +79,7 @@ link_libs() {
     python3 -m pip download --quiet --no-deps -d "$wheels" "nvidia-cuda-nvrtc==13.0.*" \
       "nvidia-curand>=10.4,<10.5" "nvidia-cublas==13.0.*" "nvidia-nccl-cu13" "nvidia-cuda-runtime==13.0.*" || return 1
     local w; for w in "$wheels"/*.whl; do unzip -q -o "$w" 'nvidia/*/lib/*' -d "$wheels/x" || return 1; done
-    local so; for so in libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnccl.so.2 libcudart.so.13; do
+    local so; for so in "${CUDA_LIBS[@]}"; do
       cp "$(find "$wheels/x" -name "$so" | head -1)" "$dir/" && ln -sf "$so" "$dir/${so%%.so*}.so" || return 1
     done
     local sys; sys=$(find ~/.cargo/registry/src -path '*cudarc-*/src/driver/sys' -type d | sort | tail -1)
@@ -160,7 +162,7 @@ if [ "$MODE" = run ]; then
   "${unzstd[@]}" -q -d --long=31 -c "$BUNDLE/bundle.tar.zst" | tar -C "$ROOT" -xf - || exit 1
   # The CUDA libraries: the driver's, the toolkit's, or the Python wheels'.
   py_nvidia=$(python3 -c 'import nvidia, os; print(" ".join(nvidia.__path__))' 2>/dev/null || true)
-  for so in libcuda.so.1 libnvrtc.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnccl.so.2 libcudart.so.13; do
+  for so in libcuda.so.1 "${CUDA_LIBS[@]}"; do
     ldconfig -p 2>/dev/null | grep -q "$so " && continue
     hit=$(find /usr/local/nvidia /usr/local/cuda* /usr/lib/x86_64-linux-gnu $py_nvidia -name "$so" 2>/dev/null | head -1)
     if [ -n "$hit" ]; then export LD_LIBRARY_PATH=$(dirname "$hit")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

@@ -423,6 +423,18 @@ pub(crate) fn function(dev: &CudaDevice, id: KernelId) -> Result<CudaFunction> {
         .w(id.name(), "load_function")
 }
 
+/// The CUDA device behind `device`, or [`Error::InvalidArgument`] naming
+/// `op` (the public entry points that take a `Device`).
+pub(crate) fn cuda_of<'a>(op: &'static str, device: &'a Device) -> Result<&'a CudaDevice> {
+    match device {
+        Device::Cuda(dev) => Ok(dev),
+        other => Err(Error::InvalidArgument {
+            op,
+            reason: format!("needs a CUDA device, got {:?}", other.location()),
+        }),
+    }
+}
+
 /// Compiles and loads every kernel for `device` now, instead of on the first
 /// call that needs it (NVRTC takes a moment per module). Also a quick check
 /// that the installed NVRTC and driver accept the sources.
@@ -431,12 +443,7 @@ pub(crate) fn function(dev: &CudaDevice, id: KernelId) -> Result<CudaFunction> {
 /// [`Error::Nvrtc`] with the compile log, [`Error::Cuda`] when the driver
 /// rejects the PTX, [`Error::InvalidArgument`] for a non-CUDA device.
 pub fn precompile(device: &Device) -> Result<()> {
-    let Device::Cuda(dev) = device else {
-        return Err(Error::InvalidArgument {
-            op: "precompile",
-            reason: format!("needs a CUDA device, got {:?}", device.location()),
-        });
-    };
+    let dev = cuda_of("precompile", device)?;
     for &id in KernelId::ALL {
         function(dev, id)?;
     }

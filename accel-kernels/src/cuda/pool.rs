@@ -16,19 +16,8 @@
 use candle_core::Device;
 
 use super::launch::{set_release_threshold, trim_pool};
-use super::WrapDriver;
-use crate::{Error, Result};
-
-/// The CUDA device behind `device`, or an error naming `op`.
-fn cuda<'a>(op: &'static str, device: &'a Device) -> Result<&'a candle_core::cuda::CudaDevice> {
-    match device {
-        Device::Cuda(dev) => Ok(dev),
-        other => Err(Error::InvalidArgument {
-            op,
-            reason: format!("needs a CUDA device, got {:?}", other.location()),
-        }),
-    }
-}
+use super::{cuda_of, WrapDriver};
+use crate::Result;
 
 /// Whether memory freed on `device` stays reserved for the process (`true`,
 /// the setting of every device [`crate::cuda_device`] makes) or goes back to
@@ -37,10 +26,10 @@ fn cuda<'a>(op: &'static str, device: &'a Device) -> Result<&'a candle_core::cud
 /// plain `cuMemAlloc`, which has no such release).
 ///
 /// # Errors
-/// [`Error::Cuda`] from the driver, [`Error::InvalidArgument`] for a
+/// [`crate::Error::Cuda`] from the driver, [`crate::Error::InvalidArgument`] for a
 /// non-CUDA device.
 pub fn retain_freed_memory(device: &Device, retain: bool) -> Result<()> {
-    let dev = cuda("retain_freed_memory", device)?;
+    let dev = cuda_of("retain_freed_memory", device)?;
     let ctx = dev.cuda_stream().context().clone();
     if !ctx.has_async_alloc() {
         return Ok(());
@@ -54,10 +43,10 @@ pub fn retain_freed_memory(device: &Device, retain: bool) -> Result<()> {
 /// device first, so that memory freed by queued work is included.
 ///
 /// # Errors
-/// [`Error::Cuda`] from the driver, [`Error::InvalidArgument`] for a
+/// [`crate::Error::Cuda`] from the driver, [`crate::Error::InvalidArgument`] for a
 /// non-CUDA device.
 pub fn empty_cache(device: &Device) -> Result<()> {
-    let dev = cuda("empty_cache", device)?;
+    let dev = cuda_of("empty_cache", device)?;
     let ctx = dev.cuda_stream().context().clone();
     if !ctx.has_async_alloc() {
         return Ok(());
@@ -71,10 +60,10 @@ pub fn empty_cache(device: &Device) -> Result<()> {
 /// counts as used.
 ///
 /// # Errors
-/// [`Error::Cuda`] from the driver, [`Error::InvalidArgument`] for a
+/// [`crate::Error::Cuda`] from the driver, [`crate::Error::InvalidArgument`] for a
 /// non-CUDA device.
 pub fn mem_get_info(device: &Device) -> Result<(usize, usize)> {
-    let dev = cuda("mem_get_info", device)?;
+    let dev = cuda_of("mem_get_info", device)?;
     let ctx = dev.cuda_stream().context().clone();
     ctx.mem_get_info().w("mem_get_info", "cuMemGetInfo")
 }
