@@ -12,8 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source <(scripts/cuda_toolchain.sh)
-CUDA_VENV=${CUDA_VENV:-/tmp/cuda13-venv}
-"$CUDA_VENV/bin/pip" install --quiet nvidia-cuda-nvrtc==13.0.88 >&2
+CUDA_VENV=${CUDA_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/accel-rs/cuda13-venv}
+"$CUDA_VENV/bin/python" -m pip install --quiet nvidia-cuda-nvrtc==13.0.88 >&2
 archs=("$@")
 [ ${#archs[@]} -gt 0 ] || archs=(sm_75 sm_80 sm_90)
 src=accel-kernels/src/cuda

@@ -11,7 +11,11 @@
 //!
 //! Bandwidth counts bytes read plus bytes written. Each entry reports GB/s,
 //! the fraction of the theoretical peak (2 x memory clock x bus width, from
-//! the device attributes) and of the measured memcpy. `sizes` runs with the
+//! the device attributes) and of the measured memcpy, for one call followed
+//! by a synchronisation (`us`: the host's per-call costs show), and under
+//! `pipelined` for calls enqueued back to back with one synchronisation at
+//! the end, as a training step issues them (the host runs ahead, and what
+//! is left is the device's time). `sizes` runs with the
 //! memory pool `cuda_device` sets up (freed memory kept for the process);
 //! `sizes_driver_default_pool` repeats the large sizes first, with the
 //! driver's default pool (freed memory released at each synchronisation).
@@ -33,6 +37,9 @@ type Op<'a> = (&'static str, f64, Box<dyn FnMut() -> Result<()> + 'a>);
 /// Tensors per list: the kernels are multi-tensor, so lists are measured.
 const TENSORS: usize = 8;
 
+/// Calls per pipelined measurement.
+const PIPELINED: usize = 10;
+
 /// Median seconds of `reps` runs of `f`, each followed by a device sync, and
 /// the median host time of the call alone (enqueueing: building and uploading
 /// the chunk table, locking, launching), which the device waits behind.
@@ -52,10 +59,28 @@ fn median_secs(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> 
     Ok((t[t.len() / 2], q[q.len() / 2]))
 }
 
-fn list(dev: &Device, n: usize, dtype: DType) -> Result<Vec<Tensor>> {
-    (0..TENSORS)
+/// Median seconds per call of `reps` runs of [`PIPELINED`] calls of `f`
+/// enqueued back to back, with one device sync per run.
+fn pipelined_secs(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    dev.synchronize()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let start = Instant::now();
+        for _ in 0..PIPELINED {
+            f()?;
+        }
+        dev.synchronize()?;
+        t.push(start.elapsed().as_secs_f64() / PIPELINED as f64);
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+fn list(dev: &Device, n: usize, tensors: usize, dtype: DType) -> Result<Vec<Tensor>> {
+    (0..tensors)
         .map(|i| {
-            let t = Tensor::rand(-1f32, 1f32, n / TENSORS, dev)?.affine(1.0, i as f64)?;
+            let t = Tensor::rand(-1f32, 1f32, n / tensors, dev)?.affine(1.0, i as f64)?;
             Ok(t.to_dtype(dtype)?)
         })
         .collect()
@@ -65,32 +90,35 @@ fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
-fn bench_size(dev: &Device, n: usize, peak: f64, reps: usize) -> Result<Value> {
+fn bench_size(dev: &Device, n: usize, tensors: usize, peak: f64, reps: usize) -> Result<Value> {
     let stream = dev.as_cuda_device()?.cuda_stream();
-    let src_f32 = list(dev, n, DType::F32)?;
-    let src_bf16 = list(dev, n, DType::BF16)?;
-    let dst_bf16 = list(dev, n, DType::BF16)?;
-    let dst_f16 = list(dev, n, DType::F16)?;
-    let dst_f32 = list(dev, n, DType::F32)?;
-    let m = list(dev, n, DType::F32)?;
-    let v = list(dev, n, DType::F32)?
+    let src_f32 = list(dev, n, tensors, DType::F32)?;
+    let src_bf16 = list(dev, n, tensors, DType::BF16)?;
+    let dst_bf16 = list(dev, n, tensors, DType::BF16)?;
+    let dst_f16 = list(dev, n, tensors, DType::F16)?;
+    let dst_f32 = list(dev, n, tensors, DType::F32)?;
+    let m = list(dev, n, tensors, DType::F32)?;
+    let v = list(dev, n, tensors, DType::F32)?
         .iter()
         .map(|t| t.sqr())
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let per = n / TENSORS;
+    let per = n / tensors;
     let a = stream.alloc_zeros::<f32>(per)?;
     let mut b = stream.alloc_zeros::<f32>(per)?;
-    let total = (per * TENSORS) as f64;
+    let total = (per * tensors) as f64;
 
-    // (name, bytes moved per element, median seconds, median enqueue seconds)
-    let mut entries: Vec<(&str, f64, f64, f64)> = Vec::new();
-    let (memcpy, memcpy_q) = median_secs(dev, reps, || {
-        for _ in 0..TENSORS {
+    // (name, bytes moved per element, median seconds, median enqueue
+    // seconds, median pipelined seconds)
+    let mut entries: Vec<(&str, f64, f64, f64, f64)> = Vec::new();
+    let mut copy = || {
+        for _ in 0..tensors {
             stream.memcpy_dtod(&a, &mut b)?;
         }
         Ok(())
-    })?;
-    entries.push(("memcpy_dtod_f32", 8.0, memcpy, memcpy_q));
+    };
+    let (memcpy, memcpy_q) = median_secs(dev, reps, &mut copy)?;
+    let memcpy_p = pipelined_secs(dev, reps, &mut copy)?;
+    entries.push(("memcpy_dtod_f32", 8.0, memcpy, memcpy_q, memcpy_p));
     let hp = AdamWParams::default();
     let mut step = 0u64;
     let ops: Vec<Op<'_>> = vec![
@@ -145,24 +173,33 @@ fn bench_size(dev: &Device, n: usize, peak: f64, reps: usize) -> Result<Value> {
     ];
     for (name, bytes, mut f) in ops {
         let (secs, enqueue) = median_secs(dev, reps, &mut f)?;
-        entries.push((name, bytes, secs, enqueue));
+        let pipelined = pipelined_secs(dev, reps, &mut f)?;
+        entries.push((name, bytes, secs, enqueue, pipelined));
     }
     let memcpy_gbs = total * 8.0 / memcpy / 1e9;
+    let memcpy_p_gbs = total * 8.0 / memcpy_p / 1e9;
     let ops: serde_json::Map<String, Value> = entries
         .into_iter()
-        .map(|(name, bytes, secs, enqueue)| {
+        .map(|(name, bytes, secs, enqueue, pipelined)| {
             let gbs = total * bytes / secs / 1e9;
+            let p_gbs = total * bytes / pipelined / 1e9;
             let v = json!({
                 "us": round3(secs * 1e6),
                 "enqueue_us": round3(enqueue * 1e6),
                 "gb_per_s": round3(gbs),
                 "of_peak": round3(gbs / peak),
                 "of_memcpy": round3(gbs / memcpy_gbs),
+                "pipelined": {
+                    "us": round3(pipelined * 1e6),
+                    "gb_per_s": round3(p_gbs),
+                    "of_peak": round3(p_gbs / peak),
+                    "of_memcpy": round3(p_gbs / memcpy_p_gbs),
+                },
             });
             (name.to_string(), v)
         })
         .collect();
-    Ok(json!({ "elements": per * TENSORS, "tensors": TENSORS, "ops": ops }))
+    Ok(json!({ "elements": per * tensors, "tensors": tensors, "ops": ops }))
 }
 
 fn main() -> Result<()> {
@@ -181,13 +218,15 @@ fn main() -> Result<()> {
     accel_kernels::cuda::retain_freed_memory(&dev, false)?;
     let mut driver_default = Vec::new();
     for (n, reps) in [(1 << 26, 10), (1 << 28, 5)] {
-        driver_default.push(bench_size(&dev, n, peak_gbs, reps)?);
+        driver_default.push(bench_size(&dev, n, TENSORS, peak_gbs, reps)?);
     }
     accel_kernels::cuda::retain_freed_memory(&dev, true)?;
     let mut sizes = Vec::new();
     for (n, reps) in [(1 << 20, 50), (1 << 24, 20), (1 << 26, 10), (1 << 28, 5)] {
-        sizes.push(bench_size(&dev, n, peak_gbs, reps)?);
+        sizes.push(bench_size(&dev, n, TENSORS, peak_gbs, reps)?);
     }
+    // A model-like list: 512 tensors of 2^15 elements, eight launches of 64.
+    let many_tensors = bench_size(&dev, 1 << 24, 512, peak_gbs, 20)?;
     let (major, minor) = ctx.compute_capability()?;
     let out = json!({
         "device": ctx.name()?,
@@ -197,6 +236,7 @@ fn main() -> Result<()> {
         "theoretical_peak_gb_per_s": round3(peak_gbs),
         "nvrtc_compile_and_load_ms": round3(compile_ms),
         "sizes": sizes,
+        "many_tensors": many_tensors,
         "sizes_driver_default_pool": driver_default,
     });
     println!("{out}");

@@ -350,6 +350,97 @@ fn reductions_match_the_cpu_path() -> Result<()> {
     Ok(())
 }
 
+/// 210 tensors, 70 of each float dtype (more than the 64 one launch takes), of lengths
+/// from 0 to a few thousand, the values of tensor i scaled by `1 + i / 8`.
+fn long_list(dev: &Device, seed: u64) -> Result<Vec<Tensor>> {
+    let dtypes = [DType::F32, DType::BF16, DType::F16];
+    (0..210)
+        .map(|i| {
+            if i % 17 == 0 {
+                // Made directly: candle's CUDA `to_dtype` refuses empty tensors.
+                return Ok(Tensor::zeros(0, dtypes[i % 3], dev)?);
+            }
+            let n = (i * 131) % 3000 + i % 5;
+            let v = randn(n, seed + i as u64, 1.0 + i as f32 / 8.0);
+            Ok(Tensor::from_vec(v, n, dev)?.to_dtype(dtypes[i % 3])?)
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+fn lists_longer_than_one_launch_match_the_cpu_path() -> Result<()> {
+    let dev = cuda("lists_longer_than_one_launch_match_the_cpu_path");
+    let gpu = long_list(&dev, 41)?;
+    let cpu = to_cpu(&gpu)?;
+    // Casts: every tensor of every launch, against candle.
+    for to in [DType::F32, DType::BF16] {
+        let outs = cast_tensors(&gpu, to)?;
+        for (i, (o, s)) in outs.iter().zip(&gpu).enumerate() {
+            let want = if s.elem_count() == 0 {
+                Vec::new()
+            } else {
+                bits(&s.to_dtype(to)?)?
+            };
+            assert_bits_eq(&format!("cast_tensors[{i}] to {to:?}"), &bits(o)?, &want);
+        }
+    }
+    // Reductions: the partials of later launches land in their own slots.
+    let (g, c) = (sum_of_squares(&gpu)?, sum_of_squares(&cpu)?);
+    assert!((g - c).abs() <= 1e-12 * c, "sum_of_squares {g} vs {c}");
+    assert_eq!(max_abs(&gpu)?, max_abs(&cpu)?);
+    // In place and optimizer ops, bit for bit.
+    assert!(!unscale_and_check(&gpu, 0.25)?);
+    assert!(!unscale_and_check(&cpu, 0.25)?);
+    assert_lists_eq("unscale", &gpu, &cpu)?;
+    // f32 state shaped like the list, made on the host (`square`d for exp_avg_sq): candle's
+    // CUDA ops refuse empty tensors, so those are made on the device as zeros.
+    let f32_like = |seed: u64, square: bool| -> Result<Vec<Tensor>> {
+        gpu.iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let n = g.elem_count();
+                if n == 0 {
+                    return Ok(Tensor::zeros(0, DType::F32, &dev)?);
+                }
+                let mut v = randn(n, seed + i as u64, 0.5);
+                if square {
+                    v.iter_mut().for_each(|x| *x *= *x);
+                }
+                Ok(Tensor::from_vec(v, n, &dev)?)
+            })
+            .collect()
+    };
+    let (p, m, v) = (
+        f32_like(500, false)?,
+        f32_like(600, false)?,
+        f32_like(700, true)?,
+    );
+    let (pc, mc, vc) = (to_cpu(&p)?, to_cpu(&m)?, to_cpu(&v)?);
+    add_in_place(&p, &gpu)?;
+    add_in_place(&pc, &cpu)?;
+    assert_lists_eq("add", &p, &pc)?;
+    let hp = AdamWParams::default();
+    adamw_step(&p, &gpu, &m, &v, 1, &hp)?;
+    adamw_step(&pc, &cpu, &mc, &vc, 1, &hp)?;
+    assert_lists_eq("adamw params", &p, &pc)?;
+    assert_lists_eq("adamw exp_avg_sq", &v, &vc)?;
+    // A non-finite value in the last tensor (in the second launch of its dtype) is seen.
+    let last = gpu.len() - 1;
+    let n = gpu[last].elem_count();
+    let mut poisoned = gpu.clone();
+    poisoned[last] = Tensor::cat(
+        &[
+            &gpu[last].narrow(0, 0, n - 1)?,
+            &Tensor::new(&[f32::INFINITY], &dev)?.to_dtype(gpu[last].dtype())?,
+        ],
+        0,
+    )?;
+    assert!(has_non_finite(&poisoned)?);
+    assert!(unscale_and_check(&poisoned, 1.0)?);
+    Ok(())
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
 fn precompile_loads_every_kernel() -> Result<()> {

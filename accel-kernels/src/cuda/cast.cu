@@ -5,11 +5,11 @@
 #endif
 
 template <typename S, typename D>
-__device__ __forceinline__ void cast_chunks(const u64 *table, u32 n_chunks) {
+__device__ __forceinline__ void cast_chunks(const Table &t) {
     typedef typename S::raw SR;
     typedef typename D::raw DR;
-    for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        Chunk k = chunk_at(table, c);
+    for (u32 c = blockIdx.x; c < n_chunks(t); c += gridDim.x) {
+        Chunk k = chunk_at(t, c);
         const SR *src = (const SR *)k.p[0];
         DR *dst = (DR *)k.p[1];
         chunk_loop_staged(
@@ -27,9 +27,9 @@ __device__ __forceinline__ void cast_chunks(const u64 *table, u32 n_chunks) {
     }
 }
 
-#define CAST(S, D, NAME)                                                          \
-    extern "C" __global__ void NAME(const u64 *table, u32 n_chunks) {             \
-        cast_chunks<S, D>(table, n_chunks);                                       \
+#define CAST(S, D, NAME)                             \
+    extern "C" __global__ void NAME(const Table t) { \
+        cast_chunks<S, D>(t);                        \
     }
 
 CAST(F32, BF16, cast_f32_bf16)

@@ -107,29 +107,63 @@ __device__ __forceinline__ void store_pack(R *p, u64 i, const Pack<R> &v) {
     reinterpret_cast<Pack<R> *>(p + i)[0] = v;
 }
 
-// ============================================================ chunk table
+// ============================================================ launch table
 
-// A launch covers a list of tensors through a table of chunks in device
-// memory, TABLE_WORDS u64 per chunk: up to four operand pointers, already
-// offset to the chunk's first element (unused ones are 0), then the
-// chunk's element count. Blocks walk the chunks grid-stride; threads of a
-// block walk the elements of a chunk block-stride, VEC at a time when every
-// operand is aligned for it, with a scalar tail.
-#define TABLE_WORDS 5
+// A launch covers up to LAUNCH_TENSORS tensors, described by a `Table`
+// passed *by value* as the kernel's first parameter, as PyTorch's
+// multi_tensor_apply does: nothing is uploaded per call (a table in device
+// memory cost a pageable host-to-device copy per launch, which made the
+// host wait for the stream). The host splits longer lists over several
+// launches. Each tensor has up to four operands (column j: base address
+// p[j][i], 0 when unused, elements of elem[j] bytes), n[i] elements, and is
+// cut into chunks of `chunk` elements; chunks of tensor i are numbered
+// first[i] .. first[i + 1] - 1, and first[n_tensors] is the launch's chunk
+// count. Blocks walk the chunks grid-stride; threads of a block walk the
+// elements of a chunk block-stride, VEC at a time when every operand is
+// aligned for it, with a scalar tail. The layout is mirrored by `Table` in
+// operands.rs (2848 bytes, under the 4 KiB every CUDA version accepts).
+#define LAUNCH_TENSORS 64
 
+struct Table {
+    u64 p[4][LAUNCH_TENSORS];
+    u64 n[LAUNCH_TENSORS];
+    u32 first[LAUNCH_TENSORS + 1];
+    u32 n_tensors;
+    u32 chunk;
+    u32 elem[4];
+};
+static_assert(sizeof(Table) == 2848, "Table must match operands.rs");
+
+// The chunks of a launch.
+__device__ __forceinline__ u32 n_chunks(const Table &t) { return t.first[t.n_tensors]; }
+
+// One chunk: its operand addresses (0 where unused) and element count.
 struct Chunk {
     u64 p[4];
     u64 n;
 };
 
-__device__ __forceinline__ Chunk chunk_at(const u64 *table, u32 c) {
-    const u64 *e = table + (u64)c * TABLE_WORDS;
+// Chunk `c` of the launch: the tensor holding it is found by bisecting
+// `first` (the same few loads for every thread of the block).
+__device__ __forceinline__ Chunk chunk_at(const Table &t, u32 c) {
+    u32 lo = 0, hi = t.n_tensors;
+    while (hi - lo > 1) {
+        u32 mid = (lo + hi) / 2;
+        if (t.first[mid] <= c) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    u64 off = (u64)(c - t.first[lo]) * t.chunk;
     Chunk k;
-    k.p[0] = e[0];
-    k.p[1] = e[1];
-    k.p[2] = e[2];
-    k.p[3] = e[3];
-    k.n = e[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        u64 base = t.p[j][lo];
+        k.p[j] = base ? base + off * t.elem[j] : 0;
+    }
+    u64 rest = t.n[lo] - off;
+    k.n = rest < t.chunk ? rest : t.chunk;
     return k;
 }
 

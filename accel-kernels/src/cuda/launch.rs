@@ -4,8 +4,8 @@
 //! A launch is unsafe because the driver cannot check that the arguments
 //! match the kernel's C signature or that the kernel stays inside its
 //! buffers. [`launch`] makes both hold by construction: each [`KernelId`]
-//! has one [`Args`] shape, checked before launching, and the chunk table it
-//! uploads only holds addresses of live, locked tensors (built by
+//! has one [`Args`] shape, checked before launching, and the launch tables
+//! it passes only hold addresses of live, locked tensors (built by
 //! `operands::with_device_ptrs`) with the tensors' own element counts.
 #![allow(unsafe_code)]
 
@@ -16,7 +16,7 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
-use super::operands::TABLE_WORDS;
+use super::operands::Table;
 use super::{function, KernelId, WrapDriver};
 use crate::{Error, Result};
 
@@ -59,8 +59,12 @@ pub(crate) struct SgdArgs {
 unsafe impl DeviceRepr for AdamWArgs {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for SgdArgs {}
+// SAFETY: `#[repr(C)]` arrays of u64 then u32 fields, identical in size
+// and layout to `struct Table` in common.cuh (both sides assert 2848
+// bytes), which every kernel takes by value as its first parameter.
+unsafe impl DeviceRepr for Table {}
 
-/// The arguments after `(table, n_chunks)` of each kernel family.
+/// The arguments after the table of each kernel family.
 pub(crate) enum Args<'a> {
     /// `cast_*`, `add_*`: none.
     None,
@@ -81,7 +85,7 @@ pub(crate) enum Args<'a> {
 }
 
 /// The one argument shape `id` was written for.
-fn matches(id: KernelId, args: &Args<'_>, table_len: usize) -> bool {
+fn matches(id: KernelId, args: &Args<'_>, chunks: usize) -> bool {
     let name = id.name();
     match args {
         Args::None => name.starts_with("cast_") || name.starts_with("add_"),
@@ -92,49 +96,39 @@ fn matches(id: KernelId, args: &Args<'_>, table_len: usize) -> bool {
         Args::AdamW(_) => name.starts_with("adamw_"),
         Args::Sgd(_) => name.starts_with("sgd_"),
         Args::Partials(p) => {
-            (name.starts_with("sumsq_") || name.starts_with("maxabs_"))
-                && p.len() * TABLE_WORDS == table_len
+            (name.starts_with("sumsq_") || name.starts_with("maxabs_")) && p.len() == chunks
         }
     }
 }
 
-/// Uploads `table` (whole chunks of [`TABLE_WORDS`] words) and launches
-/// `id` over it on candle's stream of `dev`. Returns without launching
-/// when the table is empty. `op` names the caller in errors.
+/// Launches `id` once per table on candle's stream of `dev` (nothing when
+/// `tables` is empty). `op` names the caller in errors. `Args::Partials`
+/// has one slot per chunk of all the tables together; each launch writes
+/// its own range.
 ///
-/// The caller must keep the tensors whose addresses are in `table` locked
-/// until the launch is enqueued (`with_device_ptrs` does), and must have
-/// built the table with `chunk_table` from those tensors, with the operand
-/// columns the kernel documents.
+/// The caller must keep the tensors whose addresses are in `tables` locked
+/// until the launches are enqueued (`with_device_ptrs` does), and must
+/// have built the tables with `launch_tables` from those tensors, with the
+/// operand columns the kernel documents.
 pub(crate) fn launch(
     op: &'static str,
     dev: &CudaDevice,
     id: KernelId,
-    table: &[u64],
+    tables: &[Table],
     args: Args<'_>,
 ) -> Result<()> {
-    if !matches(id, &args, table.len()) || !table.len().is_multiple_of(TABLE_WORDS) {
+    let chunks: usize = tables.iter().map(Table::chunks).sum();
+    if !matches(id, &args, chunks) {
         return Err(Error::InvalidArgument {
             op,
             reason: format!("internal: bad arguments for kernel {}", id.name()),
         });
     }
-    let n_chunks = table.len() / TABLE_WORDS;
-    if n_chunks == 0 {
+    if chunks == 0 {
         return Ok(());
     }
-    let n_chunks = u32::try_from(n_chunks).map_err(|_| Error::InvalidArgument {
-        op,
-        reason: format!("{n_chunks} chunks exceed one launch"),
-    })?;
     let func = function(dev, id)?;
     let stream = dev.cuda_stream();
-    let table = stream.clone_htod(table).w(op, "memcpy_htod")?;
-    let cfg = LaunchConfig {
-        grid_dim: (n_chunks.min(MAX_BLOCKS), 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    };
     // Scalars are pushed by reference, so they live in locals that
     // outlive the builder.
     let (mut factor, mut lo, mut hi) = (0f32, 0f32, 0f32);
@@ -152,37 +146,53 @@ pub(crate) fn launch(
         Args::Partials(p) => partials = Some(p),
     }
     let name = id.name();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&table).arg(&n_chunks);
-    if name.starts_with("unscale_") || name.starts_with("scale_") {
-        b.arg(&factor);
+    let mut done = 0;
+    for table in tables {
+        let n = table.chunks();
+        if n == 0 {
+            continue;
+        }
+        let cfg = LaunchConfig {
+            // n <= u32::MAX: `launch_tables` checked it.
+            grid_dim: ((n as u32).min(MAX_BLOCKS), 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&func);
+        b.arg(table);
+        if name.starts_with("unscale_") || name.starts_with("scale_") {
+            b.arg(&factor);
+        }
+        if name.starts_with("clamp_") {
+            b.arg(&lo).arg(&hi);
+        }
+        if let Some(a) = &adamw {
+            b.arg(a);
+        }
+        if let Some(s) = &sgd {
+            b.arg(s);
+        }
+        if let Some(fl) = flag.as_deref_mut() {
+            b.arg(fl);
+        }
+        let mut slots = partials.as_deref_mut().map(|p| p.slice_mut(done..done + n));
+        if let Some(v) = slots.as_mut() {
+            b.arg(v);
+        }
+        // SAFETY: `matches` checked that the pushed arguments are exactly
+        // the kernel's parameters after `const Table t`, with the same C
+        // types (the table and the other `#[repr(C)]` structs by value, f32
+        // = float; the flag is a device u32, the partials a device f64
+        // array with one slot per chunk of this launch: `matches` checked
+        // the total and `done` walks it). The table holds base addresses
+        // of locked, live tensors with their own element counts (the
+        // caller's contract), and the kernels only touch `[p, p + n)` of
+        // each operand. The flag and the partials are device memory passed
+        // through `arg`, so cudarc orders their reuse and free after this
+        // launch.
+        unsafe { b.launch(cfg) }.w(op, "launch")?;
+        done += n;
     }
-    if name.starts_with("clamp_") {
-        b.arg(&lo).arg(&hi);
-    }
-    if let Some(a) = &adamw {
-        b.arg(a);
-    }
-    if let Some(s) = &sgd {
-        b.arg(s);
-    }
-    if let Some(fl) = flag {
-        b.arg(fl);
-    }
-    if let Some(p) = partials {
-        b.arg(p);
-    }
-    // SAFETY: `matches` checked that the pushed arguments are exactly the
-    // kernel's parameters after `(const u64 *table, u32 n_chunks)`, with
-    // the same C types (f32 = float, u32 = u32, the `#[repr(C)]` structs;
-    // the flag is a device u32, the partials a device f64 array with one
-    // slot per chunk, checked by `matches`). `table` is a device copy of whole chunk
-    // entries whose addresses point into locked, live tensors of at least
-    // the chunk's length (the caller's contract), and the kernels only
-    // touch `[p, p + n)` of each operand. The table and the flag are
-    // `CudaSlice`s passed through `arg`, so cudarc orders their reuse and
-    // free after this launch.
-    unsafe { b.launch(cfg) }.w(op, "launch")?;
     Ok(())
 }
 

@@ -8,10 +8,13 @@
 //! into the device's context; the modules are kept per device (candle
 //! [`DeviceId`]) for the life of the process.
 //!
-//! Every launch covers a whole tensor list: the host cuts the tensors into
-//! chunks (see `chunk_len`) and uploads a table of chunk descriptors
-//! (operand pointers plus length, see `common.cuh`); the blocks of one grid
-//! walk the table. Lists of mixed dtypes cost one launch per dtype.
+//! A launch covers up to 64 tensors of a list: the host describes them
+//! (operand addresses, lengths, chunks of `chunk_len` elements) in a table
+//! passed by value as the kernel's first parameter (`Table` in
+//! `operands.rs` and `common.cuh`), as PyTorch's `multi_tensor_apply`
+//! does, so a call uploads nothing; the blocks of one grid walk the
+//! chunks. Longer lists take one launch per 64 tensors, and lists of mixed
+//! dtypes one per dtype.
 //! Reductions (`sum_of_squares`, `max_abs`) write one partial per chunk,
 //! combined on the host in chunk order; the overflow check of
 //! `unscale_and_check` / `has_non_finite` raises one device flag. Both read
@@ -84,9 +87,9 @@ pub(crate) const MIN_CHUNK: usize = 4 * 1024;
 /// See [`MIN_CHUNK`].
 pub(crate) const MAX_CHUNK: usize = 64 * 1024;
 
-/// The chunk length for a launch over `total` elements: about 2048 chunks,
-/// enough blocks to fill a large GPU several times over, while the table
-/// (40 bytes a chunk, uploaded per launch) stays small next to the data.
+/// The chunk length for a list of `total` elements: about 2048 chunks,
+/// enough blocks to fill a large GPU several times over, and each a block's
+/// worth of work (up to 64K elements) so that per-chunk costs stay small.
 pub(crate) fn chunk_len(total: usize) -> usize {
     (total / 2048)
         .next_power_of_two()

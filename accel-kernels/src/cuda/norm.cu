@@ -57,11 +57,11 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
 }
 
 template <typename T>
-__device__ __forceinline__ void sumsq_chunks(const u64 *table, u32 n_chunks, double *partial) {
+__device__ __forceinline__ void sumsq_chunks(const Table &t, double *partial) {
     typedef typename T::raw R;
     __shared__ double scratch[BLOCK_MAX_WARPS];
-    for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        Chunk k = chunk_at(table, c);
+    for (u32 c = blockIdx.x; c < n_chunks(t); c += gridDim.x) {
+        Chunk k = chunk_at(t, c);
         const R *x = (const R *)k.p[0];
         double acc = 0.0;
         chunk_loop(
@@ -86,16 +86,16 @@ __device__ __forceinline__ void sumsq_chunks(const u64 *table, u32 n_chunks, dou
 }
 
 template <typename T>
-__device__ __forceinline__ void maxabs_chunks(const u64 *table, u32 n_chunks, double *partial) {
+__device__ __forceinline__ void maxabs_chunks(const Table &t, double *partial) {
     typedef typename T::raw R;
     __shared__ float scratch[BLOCK_MAX_WARPS];
     __shared__ int any_nan;
-    for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    for (u32 c = blockIdx.x; c < n_chunks(t); c += gridDim.x) {
         if (threadIdx.x == 0) {
             any_nan = 0;
         }
         __syncthreads();
-        Chunk k = chunk_at(table, c);
+        Chunk k = chunk_at(t, c);
         const R *x = (const R *)k.p[0];
         float best = 0.0f;
         bool nan = false;
@@ -125,14 +125,14 @@ __device__ __forceinline__ void maxabs_chunks(const u64 *table, u32 n_chunks, do
     }
 }
 
-#define NORM_OPS(T, SUFFIX)                                                                \
-    extern "C" __global__ void sumsq_##SUFFIX(const u64 *table, u32 n_chunks,              \
-                                              double *partial) {                           \
-        sumsq_chunks<T>(table, n_chunks, partial);                                         \
-    }                                                                                      \
-    extern "C" __global__ void maxabs_##SUFFIX(const u64 *table, u32 n_chunks,             \
-                                               double *partial) {                          \
-        maxabs_chunks<T>(table, n_chunks, partial);                                        \
+#define NORM_OPS(T, SUFFIX)                                       \
+    extern "C" __global__ void sumsq_##SUFFIX(const Table t,      \
+                                              double *partial) {  \
+        sumsq_chunks<T>(t, partial);                              \
+    }                                                             \
+    extern "C" __global__ void maxabs_##SUFFIX(const Table t,     \
+                                               double *partial) { \
+        maxabs_chunks<T>(t, partial);                             \
     }
 
 NORM_OPS(F32, f32)

@@ -1,5 +1,5 @@
-//! Device addresses of the tensors of a call, and the chunk tables that hand
-//! them to the kernels.
+//! Device addresses of the tensors of a call, and the launch tables that
+//! hand them to the kernels.
 
 use std::collections::HashMap;
 
@@ -11,9 +11,49 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 use super::chunk_len;
 use crate::{Error, Result};
 
-/// Words per chunk in a launch table (see `common.cuh`): four operand
-/// addresses and a length.
-pub(crate) const TABLE_WORDS: usize = 5;
+/// Most tensors one launch covers (`LAUNCH_TENSORS` in `common.cuh`).
+pub(crate) const LAUNCH_TENSORS: usize = 64;
+
+/// The kernels' first parameter, passed by value: up to
+/// [`LAUNCH_TENSORS`] tensors of up to four operands each, cut into chunks
+/// (`struct Table` in `common.cuh`, same layout). Kernel parameters may
+/// take 4 KiB on every CUDA version; this is 2848 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Table {
+    /// Base address of operand j of tensor i (0: operand unused).
+    pub p: [[u64; LAUNCH_TENSORS]; 4],
+    /// Elements of tensor i.
+    pub n: [u64; LAUNCH_TENSORS],
+    /// First chunk of tensor i; `first[n_tensors]` is the chunk count.
+    pub first: [u32; LAUNCH_TENSORS + 1],
+    /// Tensors in use.
+    pub n_tensors: u32,
+    /// Elements per chunk.
+    pub chunk: u32,
+    /// Element size of operand j, in bytes.
+    pub elem: [u32; 4],
+}
+
+const _: () = assert!(std::mem::size_of::<Table>() == 2848);
+
+impl Table {
+    fn empty(chunk: usize, elem: [u32; 4]) -> Table {
+        Table {
+            p: [[0; LAUNCH_TENSORS]; 4],
+            n: [0; LAUNCH_TENSORS],
+            first: [0; LAUNCH_TENSORS + 1],
+            n_tensors: 0,
+            chunk: chunk as u32,
+            elem,
+        }
+    }
+
+    /// Chunks of this launch.
+    pub(crate) fn chunks(&self) -> usize {
+        self.first[self.n_tensors as usize] as usize
+    }
+}
 
 /// The device address identifying the allocation behind a CUDA tensor, for
 /// the aliasing check; `None` for other storages and empty allocations.
@@ -190,36 +230,60 @@ impl InplaceOp1 for WriteFence {
 pub(crate) struct Column<'a> {
     /// Address of each tensor's first element (0: operand unused).
     pub ptrs: &'a [u64],
-    /// Element size of each tensor, in bytes.
+    /// Element size of each tensor, in bytes (one per column within a
+    /// launch: the callers group tensors by dtype).
     pub elem: &'a [usize],
 }
 
-/// The chunk table for tensors `idx` (positions in the columns), `lens[i]`
-/// elements each: for every chunk of [`chunk_len`] elements of the group's
-/// total, up to four operand addresses offset to the chunk, then its
-/// length. Empty tensors add no chunk.
-pub(crate) fn chunk_table(idx: &[usize], lens: &[usize], cols: &[Column<'_>]) -> Vec<u64> {
+/// The launch tables for tensors `idx` (positions in the columns), `lens[i]`
+/// elements each, cut into chunks of [`chunk_len`] of the group's total:
+/// [`LAUNCH_TENSORS`] tensors per table, in order. Empty tensors are left
+/// out (no table at all when every tensor is empty).
+pub(crate) fn launch_tables(
+    idx: &[usize],
+    lens: &[usize],
+    cols: &[Column<'_>],
+) -> Result<Vec<Table>> {
     let chunk = chunk_len(idx.iter().map(|&i| lens[i]).sum());
-    chunk_table_with(idx, lens, cols, chunk)
+    launch_tables_with(idx, lens, cols, chunk)
 }
 
-/// [`chunk_table`] with an explicit chunk length.
-fn chunk_table_with(idx: &[usize], lens: &[usize], cols: &[Column<'_>], chunk: usize) -> Vec<u64> {
-    assert!(cols.len() < TABLE_WORDS, "at most four operands");
-    let chunks: usize = idx.iter().map(|&i| lens[i].div_ceil(chunk)).sum();
-    let mut table = Vec::with_capacity(chunks * TABLE_WORDS);
-    for &i in idx {
-        for off in (0..lens[i]).step_by(chunk) {
-            for w in 0..TABLE_WORDS - 1 {
-                table.push(match cols.get(w) {
-                    Some(c) if c.ptrs[i] != 0 => c.ptrs[i] + (off * c.elem[i]) as u64,
-                    _ => 0,
-                });
-            }
-            table.push((lens[i] - off).min(chunk) as u64);
+/// [`launch_tables`] with an explicit chunk length.
+fn launch_tables_with(
+    idx: &[usize],
+    lens: &[usize],
+    cols: &[Column<'_>],
+    chunk: usize,
+) -> Result<Vec<Table>> {
+    assert!(cols.len() <= 4, "at most four operands");
+    let live: Vec<usize> = idx.iter().copied().filter(|&i| lens[i] > 0).collect();
+    let mut elem = [0u32; 4];
+    if let Some(&i) = live.first() {
+        for (j, c) in cols.iter().enumerate() {
+            elem[j] = c.elem[i] as u32;
         }
     }
-    table
+    let mut tables = Vec::with_capacity(live.len().div_ceil(LAUNCH_TENSORS));
+    for group in live.chunks(LAUNCH_TENSORS) {
+        let mut t = Table::empty(chunk, elem);
+        let mut first = 0usize;
+        for (k, &i) in group.iter().enumerate() {
+            for (j, c) in cols.iter().enumerate() {
+                debug_assert_eq!(c.elem[i] as u32, elem[j], "one dtype per column");
+                t.p[j][k] = c.ptrs[i];
+            }
+            t.n[k] = lens[i] as u64;
+            t.first[k] = first as u32;
+            first += lens[i].div_ceil(chunk);
+        }
+        t.n_tensors = group.len() as u32;
+        t.first[group.len()] = u32::try_from(first).map_err(|_| Error::InvalidArgument {
+            op: "cuda",
+            reason: format!("{first} chunks of {chunk} elements exceed one launch"),
+        })?;
+        tables.push(t);
+    }
+    Ok(tables)
 }
 
 /// Element sizes of a list's tensors.
@@ -245,7 +309,7 @@ mod tests {
     use crate::cuda::{MAX_CHUNK, MIN_CHUNK};
 
     #[test]
-    fn chunk_table_cuts_tensors_into_offset_chunks() {
+    fn tables_number_the_chunks_of_each_tensor_and_skip_empty_ones() {
         const CHUNK: usize = 4096;
         let lens = [CHUNK + 3, 0, 5];
         let a = [1000, 7, 2000];
@@ -260,28 +324,51 @@ mod tests {
                 elem: &[2, 2, 2],
             },
         ];
-        let t = chunk_table_with(&[0, 1, 2], &lens, &cols, CHUNK);
-        let c = CHUNK as u64;
+        let t = launch_tables_with(&[0, 1, 2], &lens, &cols, CHUNK).unwrap();
+        assert_eq!(t.len(), 1);
+        let t = &t[0];
         assert_eq!(
-            t,
-            vec![
-                1000,
-                0,
-                0,
-                0,
-                c,
-                1000 + 4 * c,
-                0,
-                0,
-                0,
-                3,
-                2000,
-                3000,
-                0,
-                0,
-                5
-            ]
+            (t.n_tensors, t.chunk, t.elem),
+            (2, CHUNK as u32, [4, 2, 0, 0])
         );
+        assert_eq!(&t.first[..3], &[0, 2, 3]);
+        assert_eq!(t.chunks(), 3);
+        assert_eq!(&t.n[..3], &[CHUNK as u64 + 3, 5, 0]);
+        assert_eq!(
+            (t.p[0][0], t.p[0][1], t.p[1][0], t.p[1][1]),
+            (1000, 2000, 0, 3000)
+        );
+        assert!(t.p[2].iter().chain(&t.p[3]).all(|&p| p == 0));
+        assert!(launch_tables_with(&[1], &lens, &cols, CHUNK)
+            .unwrap()
+            .is_empty());
+    }
+
+    #[test]
+    fn long_lists_are_split_into_launches_of_at_most_sixty_four_tensors() {
+        let n = 2 * LAUNCH_TENSORS + 1;
+        let lens: Vec<usize> = (0..n).map(|i| i + 1).collect();
+        let ptrs: Vec<u64> = (0..n as u64).map(|i| 8 * (i + 1)).collect();
+        let elem = vec![4; n];
+        let cols = [Column {
+            ptrs: &ptrs,
+            elem: &elem,
+        }];
+        let idx: Vec<usize> = (0..n).collect();
+        let t = launch_tables_with(&idx, &lens, &cols, 4).unwrap();
+        assert_eq!(
+            t.iter().map(|t| t.n_tensors).collect::<Vec<_>>(),
+            [64, 64, 1]
+        );
+        // Every tensor appears once, in order, with its chunks counted.
+        let seen: Vec<u64> = t
+            .iter()
+            .flat_map(|t| t.p[0][..t.n_tensors as usize].to_vec())
+            .collect();
+        assert_eq!(seen, ptrs);
+        let chunks: usize = t.iter().map(Table::chunks).sum();
+        assert_eq!(chunks, lens.iter().map(|l| l.div_ceil(4)).sum::<usize>());
+        assert_eq!(t[2].first[..2], [0, (n as u32).div_ceil(4)]);
     }
 
     #[test]

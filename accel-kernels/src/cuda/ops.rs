@@ -6,7 +6,7 @@
 use candle_core::{DType, Tensor};
 
 use super::launch::{launch, AdamWArgs, Args, SgdArgs};
-use super::operands::{by_dtype, chunk_table, elem_sizes, with_device_ptrs, Column, TABLE_WORDS};
+use super::operands::{by_dtype, elem_sizes, launch_tables, with_device_ptrs, Column, Table};
 use super::{KernelId, WrapDriver};
 use crate::hyperparams::{AdamWScalars, SgdScalars};
 use crate::{fallback, Result};
@@ -48,7 +48,7 @@ pub(crate) fn cast_into(src: &[Tensor], dst: &[Tensor]) -> Result<()> {
                     elem: &d_elem,
                 },
             ];
-            launch(OP, dev, id, &chunk_table(&idx, &n, &cols), Args::None)?;
+            launch(OP, dev, id, &launch_tables(&idx, &n, &cols)?, Args::None)?;
         }
         Ok(())
     })
@@ -113,7 +113,7 @@ fn per_dtype(
                 op,
                 dev,
                 kernel(dtype),
-                &chunk_table(&idx, &n, &cols),
+                &launch_tables(&idx, &n, &cols)?,
                 args(),
             )?;
         }
@@ -134,20 +134,20 @@ fn check(op: &'static str, ts: &[Tensor], factor: Option<f32>) -> Result<bool> {
                 ptrs: &ptrs[0],
                 elem: &elem,
             }];
-            let table = chunk_table(&idx, &n, &cols);
+            let tables = launch_tables(&idx, &n, &cols)?;
             match factor {
                 Some(f) => launch(
                     op,
                     dev,
                     KernelId::unscale(dtype),
-                    &table,
+                    &tables,
                     Args::FactorFlag(f, &mut flag),
                 )?,
                 None => launch(
                     op,
                     dev,
                     KernelId::non_finite(dtype),
-                    &table,
+                    &tables,
                     Args::Flag(&mut flag),
                 )?,
             }
@@ -215,7 +215,7 @@ fn with_grads(
                 op,
                 dev,
                 kernel(dtype),
-                &chunk_table(&idx, &n, &cols),
+                &launch_tables(&idx, &n, &cols)?,
                 args(),
             )?;
         }
@@ -304,8 +304,8 @@ fn with_grads_no_buf(params: &[Tensor], grads: &[Tensor], a: SgdArgs) -> Result<
                     elem: &g_elem,
                 },
             ];
-            let table = chunk_table(&idx, &n, &cols);
-            launch(OP, dev, KernelId::sgd(dtype), &table, Args::Sgd(a))?;
+            let tables = launch_tables(&idx, &n, &cols)?;
+            launch(OP, dev, KernelId::sgd(dtype), &tables, Args::Sgd(a))?;
         }
         Ok(())
     })
@@ -323,13 +323,13 @@ fn partials(op: &'static str, ts: &[Tensor], kernel: fn(DType) -> KernelId) -> R
                 ptrs: &ptrs[0],
                 elem: &elem,
             }];
-            let table = chunk_table(&idx, &n, &cols);
-            let chunks = table.len() / TABLE_WORDS;
+            let tables = launch_tables(&idx, &n, &cols)?;
+            let chunks: usize = tables.iter().map(Table::chunks).sum();
             if chunks == 0 {
                 continue;
             }
             let mut out = stream.alloc_zeros::<f64>(chunks).w(op, "alloc")?;
-            launch(op, dev, kernel(dtype), &table, Args::Partials(&mut out))?;
+            launch(op, dev, kernel(dtype), &tables, Args::Partials(&mut out))?;
             all.extend(stream.clone_dtoh(&out).w(op, "memcpy_dtoh")?);
         }
         Ok(all)

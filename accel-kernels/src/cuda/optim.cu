@@ -11,10 +11,10 @@
 
 // Chunk operands: p[0] = f32 destination, p[1] = source of type S.
 template <typename S>
-__device__ __forceinline__ void add_chunks(const u64 *table, u32 n_chunks) {
+__device__ __forceinline__ void add_chunks(const Table &t) {
     typedef typename S::raw SR;
-    for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        Chunk k = chunk_at(table, c);
+    for (u32 c = blockIdx.x; c < n_chunks(t); c += gridDim.x) {
+        Chunk k = chunk_at(t, c);
         float *dst = (float *)k.p[0];
         const SR *src = (const SR *)k.p[1];
         struct Both {
@@ -71,10 +71,10 @@ __device__ __forceinline__ void adamw1(float &p, float &m, float &v, float g, co
 // Chunk operands: p[0] = param, p[1] = exp_avg, p[2] = exp_avg_sq (f32,
 // written), p[3] = grad of type G.
 template <typename G>
-__device__ __forceinline__ void adamw_chunks(const u64 *table, u32 n_chunks, const AdamW &s) {
+__device__ __forceinline__ void adamw_chunks(const Table &t, const AdamW &s) {
     typedef typename G::raw GR;
-    for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        Chunk k = chunk_at(table, c);
+    for (u32 c = blockIdx.x; c < n_chunks(t); c += gridDim.x) {
+        Chunk k = chunk_at(t, c);
         float *p = (float *)k.p[0];
         float *m = (float *)k.p[1];
         float *v = (float *)k.p[2];
@@ -127,10 +127,10 @@ __device__ __forceinline__ void sgd1(float &p, float *buf, float g, const Sgd &s
 // Chunk operands: p[0] = param (f32, written), p[1] = momentum buffer (f32,
 // written; 0 without momentum), p[2] = grad of type G.
 template <typename G>
-__device__ __forceinline__ void sgd_chunks(const u64 *table, u32 n_chunks, const Sgd &s) {
+__device__ __forceinline__ void sgd_chunks(const Table &t, const Sgd &s) {
     typedef typename G::raw GR;
-    for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        Chunk k = chunk_at(table, c);
+    for (u32 c = blockIdx.x; c < n_chunks(t); c += gridDim.x) {
+        Chunk k = chunk_at(t, c);
         float *p = (float *)k.p[0];
         float *b = (float *)k.p[1];
         const GR *g = (const GR *)k.p[2];
@@ -142,15 +142,15 @@ __device__ __forceinline__ void sgd_chunks(const u64 *table, u32 n_chunks, const
     }
 }
 
-#define OPTIM_OPS(G, SUFFIX)                                                              \
-    extern "C" __global__ void add_##SUFFIX(const u64 *table, u32 n_chunks) {             \
-        add_chunks<G>(table, n_chunks);                                                   \
-    }                                                                                     \
-    extern "C" __global__ void adamw_##SUFFIX(const u64 *table, u32 n_chunks, AdamW s) {  \
-        adamw_chunks<G>(table, n_chunks, s);                                              \
-    }                                                                                     \
-    extern "C" __global__ void sgd_##SUFFIX(const u64 *table, u32 n_chunks, Sgd s) {      \
-        sgd_chunks<G>(table, n_chunks, s);                                                \
+#define OPTIM_OPS(G, SUFFIX)                                            \
+    extern "C" __global__ void add_##SUFFIX(const Table t) {            \
+        add_chunks<G>(t);                                               \
+    }                                                                   \
+    extern "C" __global__ void adamw_##SUFFIX(const Table t, AdamW s) { \
+        adamw_chunks<G>(t, s);                                          \
+    }                                                                   \
+    extern "C" __global__ void sgd_##SUFFIX(const Table t, Sgd s) {     \
+        sgd_chunks<G>(t, s);                                            \
     }
 
 OPTIM_OPS(F32, f32)

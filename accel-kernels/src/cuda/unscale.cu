@@ -13,12 +13,12 @@
 // Multiplies by `factor` (when WRITE) and raises `*found` on a non-finite
 // input (when CHECK).
 template <typename T, bool CHECK, bool WRITE>
-__device__ __forceinline__ void scale_chunks(const u64 *table, u32 n_chunks, float factor,
+__device__ __forceinline__ void scale_chunks(const Table &t, float factor,
                                              u32 *found) {
     typedef typename T::raw R;
     bool seen = false;
-    for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        Chunk k = chunk_at(table, c);
+    for (u32 c = blockIdx.x; c < n_chunks(t); c += gridDim.x) {
+        Chunk k = chunk_at(t, c);
         R *x = (R *)k.p[0];
         chunk_loop_staged(
             k.n, vec_aligned(x), [&](u64 i) { return load_pack(x, i); },
@@ -53,10 +53,10 @@ __device__ __forceinline__ void scale_chunks(const u64 *table, u32 n_chunks, flo
 // torch.clamp_: min(max(x, lo), hi), written with comparisons so that NaN
 // (false in both) stays NaN; lo > hi gives hi. The same code as the CPU path.
 template <typename T>
-__device__ __forceinline__ void clamp_chunks(const u64 *table, u32 n_chunks, float lo, float hi) {
+__device__ __forceinline__ void clamp_chunks(const Table &t, float lo, float hi) {
     typedef typename T::raw R;
-    for (u32 c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-        Chunk k = chunk_at(table, c);
+    for (u32 c = blockIdx.x; c < n_chunks(t); c += gridDim.x) {
+        Chunk k = chunk_at(t, c);
         R *x = (R *)k.p[0];
         auto clamp1 = [&](R r) {
             float v = T::load(r);
@@ -77,22 +77,22 @@ __device__ __forceinline__ void clamp_chunks(const u64 *table, u32 n_chunks, flo
     }
 }
 
-#define SCALE_OPS(T, SUFFIX)                                                             \
-    extern "C" __global__ void unscale_##SUFFIX(const u64 *table, u32 n_chunks,          \
-                                                float factor, u32 *found) {              \
-        scale_chunks<T, true, true>(table, n_chunks, factor, found);                     \
-    }                                                                                    \
-    extern "C" __global__ void nonfinite_##SUFFIX(const u64 *table, u32 n_chunks,        \
-                                                  u32 *found) {                          \
-        scale_chunks<T, true, false>(table, n_chunks, 1.0f, found);                      \
-    }                                                                                    \
-    extern "C" __global__ void scale_##SUFFIX(const u64 *table, u32 n_chunks,            \
-                                              float factor) {                            \
-        scale_chunks<T, false, true>(table, n_chunks, factor, 0);                        \
-    }                                                                                    \
-    extern "C" __global__ void clamp_##SUFFIX(const u64 *table, u32 n_chunks, float lo,  \
-                                              float hi) {                                \
-        clamp_chunks<T>(table, n_chunks, lo, hi);                                        \
+#define SCALE_OPS(T, SUFFIX)                                                \
+    extern "C" __global__ void unscale_##SUFFIX(const Table t,              \
+                                                float factor, u32 *found) { \
+        scale_chunks<T, true, true>(t, factor, found);                      \
+    }                                                                       \
+    extern "C" __global__ void nonfinite_##SUFFIX(const Table t,            \
+                                                  u32 *found) {             \
+        scale_chunks<T, true, false>(t, 1.0f, found);                       \
+    }                                                                       \
+    extern "C" __global__ void scale_##SUFFIX(const Table t,                \
+                                              float factor) {               \
+        scale_chunks<T, false, true>(t, factor, 0);                         \
+    }                                                                       \
+    extern "C" __global__ void clamp_##SUFFIX(const Table t, float lo,      \
+                                              float hi) {                   \
+        clamp_chunks<T>(t, lo, hi);                                         \
     }
 
 SCALE_OPS(F32, f32)
