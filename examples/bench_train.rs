@@ -58,7 +58,11 @@ struct Args {
     mixed_precision: Option<PrecisionType>,
     /// `cpu` (the figures in the README) or `cuda` (cuda:0, with a build
     /// `--features cuda`; torch then runs on the same GPU). Every row runs
-    /// on this device.
+    /// on this device. `cuda-untracked` is a diagnostic: candle's own
+    /// `Device::new_cuda(0)`, whose context has one stream, so cudarc
+    /// tracks no per-allocation events (unsafe once work crosses streams or
+    /// threads, see the README's stream model); it measures what that
+    /// tracking costs a step.
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -88,7 +92,14 @@ fn main() -> Result<()> {
     let dev = match args.device.as_str() {
         "cpu" => Device::Cpu,
         "cuda" => accel_core::kernels::cuda_device(0)?,
-        other => anyhow::bail!("--device {other:?}: expected cpu or cuda"),
+        "cuda-untracked" => {
+            let dev = Device::new_cuda(0)?;
+            // The same memory pool setting as `cuda_device`: only the event
+            // tracking differs.
+            accel_core::kernels::cuda::retain_freed_memory(&dev, true)?;
+            dev
+        }
+        other => anyhow::bail!("--device {other:?}: expected cpu, cuda or cuda-untracked"),
     };
     let _ = DEVICE.set(dev);
     // The Accelerator row would tune glibc's malloc when it is built (see

@@ -32,7 +32,8 @@
 # 7. the Llama, Llama 3, Mistral, Qwen2 and GPT-2 fixtures wholly on the GPU: logits within 1e-4
 #    of transformers' and greedy tokens equal to its `generate`; finetune_hf on the GPU in fp32,
 #    bf16 and fp16 against the CPU run (fp32 within 1e-4, the others 5%);
-# 8. bench_train's GPT workload on cuda:0, and torch's on the same GPU when torch is there.
+# 8. bench_train's GPT workload on cuda:0, and torch's on the same GPU when torch is there; then
+#    on candle's own device without cross-stream event tracking (bench-gpu-untracked).
 # The CUDA/NCCL tests are #[ignore]d in ordinary runs and run here with --ignored; without a
 # visible GPU they fail (they never pass silently). Logs go to $GPU_CHECK_LOGS (default: the
 # target dir), so a device tool can bring them back; GPU_CHECK_ONLY="gpt-cuda bench-gpu" runs
@@ -330,6 +331,8 @@ run_step hf-gpu 240 hf_gpu
 
 # 8. One GPT step on the GPU, accel-rs against torch (when importable) in the same run.
 run_step bench-gpu 240 bash -c "set -o pipefail; '$BIN_DIR/bench_train' --device cuda --only gpt --rounds 3 --json | tee '$LOGS/bench_train_cuda.json'"
+# The same on candle's own device (no cross-stream event tracking): what the tracking costs a step.
+run_step bench-gpu-untracked 240 bash -c "set -o pipefail; '$BIN_DIR/bench_train' --device cuda-untracked --only gpt --rounds 3 --json | tee '$LOGS/bench_train_cuda_untracked.json'"
 
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"
