@@ -174,11 +174,13 @@ pub(crate) enum FloatSlice<'a> {
     F16(&'a [f16]),
 }
 
-/// An address identifying the storage allocation of a CPU or CUDA tensor;
-/// `None` for an empty allocation, which has no address and cannot
-/// conflict, and for other devices. Two tensors with the same key share
-/// storage (clones and views of one another): what aliasing checks and
-/// buffer recycling compare, since candle exposes no reference count.
+/// An address identifying the storage allocation of a CPU or CUDA tensor
+/// (on the CPU the data's address; on CUDA the address of candle's storage
+/// object, which reading costs no driver call); `None` for an empty
+/// allocation, which cannot conflict, and for other devices. Two tensors
+/// with the same key share storage (clones and views of one another): what
+/// aliasing checks and buffer recycling compare, since candle exposes no
+/// reference count.
 pub fn storage_key(t: &Tensor) -> Option<usize> {
     let (guard, _) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*guard else {

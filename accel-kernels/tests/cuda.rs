@@ -443,6 +443,30 @@ fn lists_longer_than_one_launch_match_the_cpu_path() -> Result<()> {
 
 #[test]
 #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+fn written_tensors_sharing_storage_are_refused() -> Result<()> {
+    let dev = cuda("written_tensors_sharing_storage_are_refused");
+    let a = Tensor::from_vec(randn(64, 3, 1.0), 64, &dev)?;
+    let b = Tensor::from_vec(randn(64, 4, 1.0), 64, &dev)?;
+    let is_aliased = |r: Result<()>| matches!(r, Err(accel_kernels::Error::AliasedStorage { .. }));
+    // A clone, two views of one buffer, a written tensor read as well.
+    assert!(is_aliased(scale_in_place(&[a.clone(), a.clone()], 2.0)));
+    let views = [a.narrow(0, 0, 32)?, a.narrow(0, 32, 32)?];
+    assert!(is_aliased(scale_in_place(&views, 2.0)));
+    let whole = a.narrow(0, 0, 64)?;
+    assert!(is_aliased(add_in_place(
+        std::slice::from_ref(&a),
+        std::slice::from_ref(&whole)
+    )));
+    // Distinct storages pass, and one storage read twice too.
+    add_in_place(std::slice::from_ref(&b), std::slice::from_ref(&a))?;
+    assert!(!has_non_finite(&[a.clone(), a.clone(), b])?);
+    let keys = [&a, &views[0], &views[1]].map(accel_kernels::storage_key);
+    assert!(keys[0].is_some() && keys.iter().all(|k| *k == keys[0]));
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
 fn precompile_loads_every_kernel() -> Result<()> {
     let dev = cuda("precompile_loads_every_kernel");
     accel_kernels::cuda::precompile(&dev)
