@@ -1,12 +1,22 @@
 //! Times training steps (forward + backward + `candle_nn::AdamW`) of the
 //! benchmark models on CPU and prints one JSON object per workload.
 //!
-//! `cargo run --release -p accel-examples --example profile_gpt -- [--composed] [--steps N] [--dtype f32|bf16|f16] [--only gpt|mlp]`
+//! `cargo run --release -p accel-examples --example profile_gpt -- [--composed] [--steps N] [--dtype f32|bf16|f16] [--only gpt|mlp] [--device cpu|cuda|cuda-untracked|cuda-both]`
 //!
 //! `--composed` switches the GPT from the fused CPU kernels to plain candle
 //! ops, to see what the kernels buy. Each workload reports the mean time of
 //! the forward, backward and optimizer phases so a regression can be pinned
 //! to one of them.
+//!
+//! On a GPU (a build with `--features cuda`) the phases are host time: the
+//! calls return once their work is enqueued, and only reading the loss
+//! waits for the device. So `fwd_ms + bwd_ms + opt_ms` close to the whole
+//! step means the step is bound by the host's enqueueing, not the GPU.
+//! `cuda` is `accel_kernels::cuda_device(0)` (cudarc's per-allocation event
+//! tracking on, see the README's stream model), `cuda-untracked` candle's
+//! own `Device::new_cuda(0)` (one stream, no tracking), and `cuda-both`
+//! alternates the two in one process, two rounds each, so their ratio is
+//! not blurred by process-to-process variation.
 
 use std::time::Instant;
 
@@ -20,6 +30,7 @@ struct Args {
     steps: usize,
     dtype: DType,
     only: Option<String>,
+    device: String,
 }
 
 fn parse_args() -> Result<Args> {
@@ -28,6 +39,7 @@ fn parse_args() -> Result<Args> {
         steps: 10,
         dtype: DType::F32,
         only: None,
+        device: "cpu".into(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -42,6 +54,7 @@ fn parse_args() -> Result<Args> {
                 }
             }
             "--only" => args.only = it.next(),
+            "--device" => args.device = it.next().unwrap_or_default(),
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
@@ -55,8 +68,9 @@ struct Phases {
     fwd: f64,
     bwd: f64,
     opt: f64,
-    /// Median of the whole-step times: robust to other processes stealing
-    /// the CPU for part of the run.
+    /// Median of the whole-step times (the loss read back included, which
+    /// waits for the device): robust to other processes stealing the CPU
+    /// for part of the run.
     median_step: f64,
 }
 
@@ -78,6 +92,7 @@ fn time_steps(
         opt.step(&grads)?;
         let t3 = Instant::now();
         last = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        let t4 = Instant::now();
         if step == 0 {
             first = last;
             continue;
@@ -85,7 +100,7 @@ fn time_steps(
         p.fwd += (t1 - t0).as_secs_f64();
         p.bwd += (t2 - t1).as_secs_f64();
         p.opt += (t3 - t2).as_secs_f64();
-        steps_s.push((t3 - t0).as_secs_f64());
+        steps_s.push((t4 - t0).as_secs_f64());
     }
     let n = steps as f64;
     steps_s.sort_by(f64::total_cmp);
@@ -107,6 +122,7 @@ fn report(name: &str, p: &Phases, first: f32, last: f32, extra: serde_json::Valu
     let mut v = serde_json::json!({
         "workload": name,
         "steps_per_s": 1.0 / total,
+        "median_step_ms": p.median_step * 1e3,
         "median_steps_per_s": 1.0 / p.median_step,
         "fwd_ms": p.fwd * 1e3,
         "bwd_ms": p.bwd * 1e3,
@@ -120,33 +136,72 @@ fn report(name: &str, p: &Phases, first: f32, last: f32, extra: serde_json::Valu
     println!("{v}");
 }
 
-fn main() -> Result<()> {
-    let args = parse_args()?;
-    let dev = Device::Cpu;
+/// The device behind a `--device` name.
+fn device_named(name: &str) -> Result<Device> {
+    Ok(match name {
+        "cpu" => Device::Cpu,
+        "cuda" => accel_core::kernels::cuda_device(0)?,
+        "cuda-untracked" => {
+            let dev = Device::new_cuda(0)?;
+            // The pool setting `cuda_device` makes: only the tracking differs.
+            accel_core::kernels::cuda::retain_freed_memory(&dev, true)?;
+            dev
+        }
+        other => {
+            anyhow::bail!("--device {other:?}: expected cpu, cuda, cuda-untracked or cuda-both")
+        }
+    })
+}
+
+/// Times the benchmark GPT on `dev` and prints its line.
+fn profile_gpt(args: &Args, dev: &Device, device: &str, round: usize) -> Result<()> {
     let params = ParamsAdamW {
         lr: 3e-4,
         weight_decay: 0.1,
         ..Default::default()
     };
+    let cfg = GptConfig::bench();
+    let (b, t) = (8, cfg.block_size);
+    let map = VarMap::new();
+    let mut gpt = Gpt::new(cfg, VarBuilder::from_varmap(&map, args.dtype, dev))?;
+    gpt.set_fused_kernels(!args.composed);
+    let tokens = text::synthetic_tokens(b * (t + 1), cfg.vocab_size, 0);
+    let (x, y, n) = text::windows(&tokens, t, t + 1);
+    assert_eq!(n, b);
+    let x = Tensor::from_vec(x, (b, t), dev)?;
+    let y = Tensor::from_vec(y, (b, t), dev)?;
+    let mut opt = AdamW::new(map.all_vars(), params)?;
+    let (p, first, last) = time_steps(args.steps, || gpt.loss(&x, &y), &mut opt)?;
+    let extra = serde_json::json!({
+        "batch": b, "block": t, "fused": !args.composed,
+        "dtype": format!("{:?}", args.dtype), "params": cfg.num_params(),
+        "device": device, "round": round,
+    });
+    report("gpt_bench", &p, first, last, extra);
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    let params = ParamsAdamW {
+        lr: 3e-4,
+        weight_decay: 0.1,
+        ..Default::default()
+    };
+    let names: Vec<&str> = match args.device.as_str() {
+        "cuda-both" => vec!["cuda", "cuda-untracked", "cuda-untracked", "cuda"],
+        one => vec![one],
+    };
+    let devices = names
+        .iter()
+        .map(|n| device_named(n))
+        .collect::<Result<Vec<_>>>()?;
+    let dev = devices[0].clone();
 
     if args.only.as_deref() != Some("mlp") {
-        let cfg = GptConfig::bench();
-        let (b, t) = (8, cfg.block_size);
-        let map = VarMap::new();
-        let mut gpt = Gpt::new(cfg, VarBuilder::from_varmap(&map, args.dtype, &dev))?;
-        gpt.set_fused_kernels(!args.composed);
-        let tokens = text::synthetic_tokens(b * (t + 1), cfg.vocab_size, 0);
-        let (x, y, n) = text::windows(&tokens, t, t + 1);
-        assert_eq!(n, b);
-        let x = Tensor::from_vec(x, (b, t), &dev)?;
-        let y = Tensor::from_vec(y, (b, t), &dev)?;
-        let mut opt = AdamW::new(map.all_vars(), params.clone())?;
-        let (p, first, last) = time_steps(args.steps, || gpt.loss(&x, &y), &mut opt)?;
-        let extra = serde_json::json!({
-            "batch": b, "block": t, "fused": !args.composed,
-            "dtype": format!("{:?}", args.dtype), "params": cfg.num_params(),
-        });
-        report("gpt_bench", &p, first, last, extra);
+        for (round, (name, d)) in names.iter().zip(&devices).enumerate() {
+            profile_gpt(&args, d, name, round)?;
+        }
     }
 
     if args.only.as_deref() != Some("gpt") {

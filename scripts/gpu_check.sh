@@ -33,7 +33,8 @@
 #    of transformers' and greedy tokens equal to its `generate`; finetune_hf on the GPU in fp32,
 #    bf16 and fp16 against the CPU run (fp32 within 1e-4, the others 5%);
 # 8. bench_train's GPT workload on cuda:0, and torch's on the same GPU when torch is there; then
-#    on candle's own device without cross-stream event tracking (bench-gpu-untracked).
+#    on candle's own device without cross-stream event tracking (bench-gpu-untracked), and both
+#    alternating in one process with the host's share of each step (profile-gpu).
 # The CUDA/NCCL tests are #[ignore]d in ordinary runs and run here with --ignored; without a
 # visible GPU they fail (they never pass silently). Logs go to $GPU_CHECK_LOGS (default: the
 # target dir), so a device tool can bring them back; GPU_CHECK_ONLY="gpt-cuda bench-gpu" runs
@@ -102,12 +103,13 @@ build() {
     --no-run --lib --test cuda --test nccl --test collectives --message-format=json-render-diagnostics > "$json" || return 1
   cargo build --release -p accel-examples -p accel-kernels --features "$FEATURES,accel-examples/cuda" --example train_gpt \
     --example hf_logits --example bench_train --example device_bench --example generate --example finetune_hf \
+    --example profile_gpt \
     --message-format=json-render-diagnostics >> "$json" || return 1
   python3 - "$json" "$MANIFEST" <<'PY' || return 1
 import json, os, sys
 NEEDED = {"cuda.test", "nccl.test", "collectives.test", "dist_worker.bin", "accel_kernels.lib",
           "accel_nn.lib", "accel_core.lib", "device_bench.example", "train_gpt.example",
-          "hf_logits.example", "bench_train.example", "generate.example",
+          "hf_logits.example", "bench_train.example", "generate.example", "profile_gpt.example",
           "finetune_hf.example"}
 rows = {}
 for line in open(sys.argv[1]):
@@ -333,6 +335,8 @@ run_step hf-gpu 240 hf_gpu
 run_step bench-gpu 240 bash -c "set -o pipefail; '$BIN_DIR/bench_train' --device cuda --only gpt --rounds 3 --json | tee '$LOGS/bench_train_cuda.json'"
 # The same on candle's own device (no cross-stream event tracking): what the tracking costs a step.
 run_step bench-gpu-untracked 240 bash -c "set -o pipefail; '$BIN_DIR/bench_train' --device cuda-untracked --only gpt --rounds 3 --json | tee '$LOGS/bench_train_cuda_untracked.json'"
+# Both devices alternating in one process, with the host's share of each step.
+run_step profile-gpu 240 bash -c "set -o pipefail; '$BIN_DIR/profile_gpt' --device cuda-both --only gpt --steps 60 | tee '$LOGS/profile_gpt_cuda.jsonl'"
 
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"
