@@ -20,7 +20,8 @@
 #    source check (accel-kernels lib);
 # 2. accel-kernels/examples/device_bench.rs: one JSON line, GB/s vs peak and vs memcpy;
 # 3. accel-dist/tests/nccl.rs: NCCL init + every collective (world 1; world 2 with 2 GPUs);
-#    accel-nn: cpu_offload_with_hook evicts the previous model from the GPU;
+#    accel-nn: cpu_offload_with_hook evicts the previous model from the GPU; the CUDA layer
+#    norm and RMS norm kernels against the composed ops and the CPU kernel's gradients;
 #    accel-core: set_seed seeds candle's CUDA generator;
 # 4. DDP buckets and the parameter broadcast on CUDA tensors of one GPU shared by two
 #    processes over TCP (staged through host memory), f32/bf16/f16, with compression;
@@ -220,6 +221,7 @@ if [ "${gpus:-0}" -lt 2 ]; then
 fi
 run_step nccl-test 120 test_bin nccl.test --include-ignored "${NCCL_SKIP[@]}" --nocapture --test-threads=1
 run_step nn-hooks-test 60 test_bin accel_nn.lib --ignored cpu_offload_with_hook
+run_step nn-cuda-norms 60 test_bin accel_nn.lib --ignored cuda_norms
 run_step core-test 60 test_bin accel_core.lib --ignored set_seed_makes_cuda_randn_repeat
 
 # 4. Two processes on one GPU over TCP.

@@ -3,7 +3,7 @@
 //! candle has no CUDA devices, so the crate-internal entry points are never
 //! reached; they exist so that every call site type-checks in CPU builds.
 
-use candle_core::{DType, Device, Storage, Tensor};
+use candle_core::{CudaStorage, DType, Device, Layout, Storage, Tensor};
 
 use crate::hyperparams::{AdamWScalars, SgdScalars};
 use crate::{Error, Result};
@@ -44,6 +44,35 @@ pub fn empty_cache(_device: &Device) -> Result<()> {
 /// # Errors
 /// Always [`Error::NotCompiled`].
 pub fn mem_get_info(_device: &Device) -> Result<(usize, usize)> {
+    off()
+}
+
+/// Layer norm / RMS norm of an f32 matrix on a CUDA device; this build has
+/// no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn row_norm_forward(
+    _x: (&CudaStorage, &Layout),
+    _w: (&CudaStorage, &Layout),
+    _b: Option<(&CudaStorage, &Layout)>,
+    _eps: f32,
+    _rms: bool,
+) -> Result<CudaStorage> {
+    off()
+}
+
+/// The gradients of [`row_norm_forward`]; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn row_norm_backward(
+    _x: (&CudaStorage, &Layout),
+    _w: (&CudaStorage, &Layout),
+    _g: (&CudaStorage, &Layout),
+    _eps: f32,
+    _rms: bool,
+) -> Result<CudaStorage> {
     off()
 }
 

@@ -204,6 +204,12 @@ impl GptBlock {
         self.fused.load(Ordering::Relaxed) && self.ln_1.0.device().is_cpu()
     }
 
+    /// Whether the layer norms take accel-nn's op, which is fused on CUDA
+    /// too (the other fused ops are CPU kernels).
+    fn fused_norms(&self) -> bool {
+        self.fused.load(Ordering::Relaxed)
+    }
+
     fn dense(
         &self,
         x: &Tensor,
@@ -231,10 +237,10 @@ impl GptBlock {
 
 impl BlockForward for GptBlock {
     fn forward(&self, x: &Activations) -> Result<Tensor> {
-        let fused = self.fused();
-        let h = ln(fused, &x.hidden, &self.ln_1)?;
+        let norms = self.fused_norms();
+        let h = ln(norms, &x.hidden, &self.ln_1)?;
         let x = (&x.hidden + self.attention(&h)?)?;
-        let h = ln(fused, &x, &self.ln_2)?;
+        let h = ln(norms, &x, &self.ln_2)?;
         let h = self.dense(&h, &self.c_fc, Some(Activation::GeluTanh))?;
         x + self.dense(&h, &self.mlp_proj, None)?
     }
@@ -253,8 +259,9 @@ struct Head {
 impl BlockForward for Head {
     fn forward(&self, x: &Activations) -> Result<Tensor> {
         let (b, t, d) = x.hidden.dims3()?;
-        let fused = self.fused.load(Ordering::Relaxed) && self.wte.device().is_cpu();
-        let h = ln(fused, &x.hidden.reshape((b * t, d))?, &self.ln_f)?;
+        let norms = self.fused.load(Ordering::Relaxed);
+        let fused = norms && self.wte.device().is_cpu();
+        let h = ln(norms, &x.hidden.reshape((b * t, d))?, &self.ln_f)?;
         match &x.labels {
             Some(y) if fused => ops::linear_cross_entropy(&h, &self.wte, &y.flatten_all()?),
             Some(y) => composed::linear_cross_entropy(&h, &self.wte, &y.flatten_all()?),

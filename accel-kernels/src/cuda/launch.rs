@@ -13,7 +13,8 @@ use candle_core::cuda::CudaDevice;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    result, sys, CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 
 use super::operands::Table;
@@ -192,6 +193,206 @@ pub(crate) fn launch(
         // launch.
         unsafe { b.launch(cfg) }.w(op, "launch")?;
         done += n;
+    }
+    Ok(())
+}
+
+/// The arguments of each row kernel of `rownorm.cu`, in its parameter
+/// order; the sizes are checked against the views before launching.
+pub(crate) enum RowArgs<'a> {
+    /// `rownorm_fwd(x, w, b, y, rows, d, eps, rms)`.
+    Forward {
+        x: &'a CudaView<'a, f32>,
+        w: &'a CudaView<'a, f32>,
+        b: Option<&'a CudaView<'a, f32>>,
+        y: &'a mut CudaSlice<f32>,
+        rows: u32,
+        d: u32,
+        eps: f32,
+        rms: bool,
+    },
+    /// `rownorm_bwd_dx(x, w, g, dx, stats, rows, d, eps, rms)`.
+    BackwardDx {
+        x: &'a CudaView<'a, f32>,
+        w: &'a CudaView<'a, f32>,
+        g: &'a CudaView<'a, f32>,
+        dx: &'a mut CudaViewMut<'a, f32>,
+        stats: &'a mut CudaSlice<f32>,
+        rows: u32,
+        d: u32,
+        eps: f32,
+        rms: bool,
+    },
+    /// `rownorm_bwd_partials(x, g, stats, pw, pb, rows, d)`.
+    BackwardPartials {
+        x: &'a CudaView<'a, f32>,
+        g: &'a CudaView<'a, f32>,
+        stats: &'a CudaSlice<f32>,
+        pw: &'a mut CudaSlice<f32>,
+        pb: &'a mut CudaSlice<f32>,
+        rows: u32,
+        d: u32,
+    },
+    /// `rownorm_bwd_sum(pw, pb, dwdb, blocks, d)`.
+    BackwardSum {
+        pw: &'a CudaSlice<f32>,
+        pb: &'a CudaSlice<f32>,
+        dwdb: &'a mut CudaViewMut<'a, f32>,
+        blocks: u32,
+        d: u32,
+    },
+}
+
+/// Warps (rows) per block of the row passes.
+const ROW_WARPS: u32 = 8;
+/// Most blocks of a row pass; more rows are walked grid-stride.
+const ROW_MAX_BLOCKS: u32 = 1 << 16;
+
+/// Launches one row kernel on candle's stream of `dev`, after checking that
+/// every buffer holds what the kernel reads or writes.
+pub(crate) fn launch_rows(op: &'static str, dev: &CudaDevice, args: RowArgs<'_>) -> Result<()> {
+    let bad = |what: &str| Error::InvalidArgument {
+        op,
+        reason: format!("internal: {what} too short for its row kernel"),
+    };
+    let row_cfg = |rows: u32| LaunchConfig {
+        grid_dim: (rows.div_ceil(ROW_WARPS).clamp(1, ROW_MAX_BLOCKS), 1, 1),
+        block_dim: (32 * ROW_WARPS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let col_cfg = |d: u32, blocks: u32| LaunchConfig {
+        grid_dim: (d.div_ceil(BLOCK), blocks, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    let null = 0u64;
+    match args {
+        RowArgs::Forward {
+            x,
+            w,
+            b,
+            y,
+            rows,
+            d,
+            eps,
+            rms,
+        } => {
+            let n = rows as usize * d as usize;
+            if x.len() < n
+                || y.len() < n
+                || w.len() < d as usize
+                || b.is_some_and(|b| b.len() < d as usize)
+            {
+                return Err(bad("an operand"));
+            }
+            let func = function(dev, KernelId::RowNormFwd)?;
+            let rms = rms as i32;
+            let mut l = stream.launch_builder(&func);
+            l.arg(x).arg(w);
+            match b {
+                Some(b) => l.arg(b),
+                None => l.arg(&null),
+            };
+            l.arg(y).arg(&rows).arg(&d).arg(&eps).arg(&rms);
+            // SAFETY: the arguments are `rownorm_fwd`'s parameters in order
+            // and C types (device f32 pointers, or a null bias; u32, u32,
+            // float, int). It reads `rows * d` elements of x, `d` of w and
+            // b, and writes `rows * d` of y: the lengths checked above.
+            unsafe { l.launch(row_cfg(rows)) }.w(op, "launch")?;
+        }
+        RowArgs::BackwardDx {
+            x,
+            w,
+            g,
+            dx,
+            stats,
+            rows,
+            d,
+            eps,
+            rms,
+        } => {
+            let n = rows as usize * d as usize;
+            if x.len() < n
+                || g.len() < n
+                || dx.len() < n
+                || w.len() < d as usize
+                || stats.len() < 2 * rows as usize
+            {
+                return Err(bad("an operand"));
+            }
+            let func = function(dev, KernelId::RowNormBwdDx)?;
+            let rms = rms as i32;
+            let mut l = stream.launch_builder(&func);
+            l.arg(x).arg(w).arg(g).arg(dx).arg(stats);
+            l.arg(&rows).arg(&d).arg(&eps).arg(&rms);
+            // SAFETY: `rownorm_bwd_dx`'s parameters in order and C types; it
+            // reads `rows * d` of x and g and `d` of w, writes `rows * d` of
+            // dx and `2 * rows` of stats: the lengths checked above.
+            unsafe { l.launch(row_cfg(rows)) }.w(op, "launch")?;
+        }
+        RowArgs::BackwardPartials {
+            x,
+            g,
+            stats,
+            pw,
+            pb,
+            rows,
+            d,
+        } => {
+            let n = rows as usize * d as usize;
+            let blocks = (rows as usize).div_ceil(super::rows::ROWS_PER_PARTIAL);
+            if x.len() < n
+                || g.len() < n
+                || stats.len() < 2 * rows as usize
+                || pw.len() < blocks * d as usize
+                || pb.len() < blocks * d as usize
+            {
+                return Err(bad("an operand"));
+            }
+            let blocks = u32::try_from(blocks)
+                .ok()
+                .filter(|&b| b <= 65_535)
+                .ok_or_else(|| Error::InvalidArgument {
+                    op,
+                    reason: format!("{rows} rows exceed one launch of the weight gradients"),
+                })?;
+            let func = function(dev, KernelId::RowNormBwdPartials)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(x)
+                .arg(g)
+                .arg(stats)
+                .arg(pw)
+                .arg(pb)
+                .arg(&rows)
+                .arg(&d);
+            // SAFETY: `rownorm_bwd_partials`' parameters in order and C
+            // types; block (column block, p) reads rows [64p, 64p + 64) of x
+            // and g (and their stats) for columns < d and writes
+            // `pw/pb[p * d + j]`, p < blocks: the lengths checked above.
+            unsafe { l.launch(col_cfg(d, blocks)) }.w(op, "launch")?;
+        }
+        RowArgs::BackwardSum {
+            pw,
+            pb,
+            dwdb,
+            blocks,
+            d,
+        } => {
+            if pw.len() < blocks as usize * d as usize
+                || pb.len() < blocks as usize * d as usize
+                || dwdb.len() < 2 * d as usize
+            {
+                return Err(bad("an operand"));
+            }
+            let func = function(dev, KernelId::RowNormBwdSum)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(pw).arg(pb).arg(dwdb).arg(&blocks).arg(&d);
+            // SAFETY: `rownorm_bwd_sum`'s parameters in order and C types;
+            // it reads `blocks * d` of pw and pb and writes `2 * d` of dwdb:
+            // the lengths checked above.
+            unsafe { l.launch(col_cfg(d, 1)) }.w(op, "launch")?;
+        }
     }
     Ok(())
 }

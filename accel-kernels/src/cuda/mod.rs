@@ -65,6 +65,7 @@ mod launch;
 mod operands;
 mod ops;
 mod pool;
+mod rows;
 
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
@@ -79,6 +80,7 @@ use crate::{Error, Result};
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
 pub use pool::{empty_cache, mem_get_info, retain_freed_memory};
+pub use rows::{row_norm_backward, row_norm_forward};
 
 /// Smallest and largest chunk of a launch table, in elements. Chunk
 /// lengths are powers of two (multiples of the vector width, so every chunk
@@ -110,22 +112,26 @@ pub(crate) enum ModuleId {
     Optim,
     /// `norm.cu`: sum of squares, largest magnitude.
     Norm,
+    /// `rownorm.cu`: layer norm and RMS norm over rows, forward and backward.
+    RowNorm,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 4] = [
+const MODULES: [(&str, &str); 5] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
     ("norm", include_str!("norm.cu")),
+    ("rownorm", include_str!("rownorm.cu")),
 ];
 
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 4] = [
+pub(crate) const ALL_MODULES: [ModuleId; 5] = [
     ModuleId::Cast,
     ModuleId::Unscale,
     ModuleId::Optim,
     ModuleId::Norm,
+    ModuleId::RowNorm,
 ];
 
 impl ModuleId {
@@ -198,6 +204,10 @@ kernels! {
     MaxAbsF32 => Norm, "maxabs_f32";
     MaxAbsBf16 => Norm, "maxabs_bf16";
     MaxAbsF16 => Norm, "maxabs_f16";
+    RowNormFwd => RowNorm, "rownorm_fwd";
+    RowNormBwdDx => RowNorm, "rownorm_bwd_dx";
+    RowNormBwdPartials => RowNorm, "rownorm_bwd_partials";
+    RowNormBwdSum => RowNorm, "rownorm_bwd_sum";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).

@@ -7,7 +7,9 @@
 //! that is a cheap pass over data that is read anyway.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor,
+};
 
 use super::raw::par;
 use super::{
@@ -143,6 +145,9 @@ impl Norm {
 
     /// (dx, dw, db) of the normalisation.
     fn backward(&self, x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        if x.device().is_cuda() {
+            return self.cuda_backward(x, w, grad);
+        }
         let d = w.dim(0)?;
         let mut dx = vec![0f32; x.elem_count()];
         let (dw, db) = with_f32(x, |xs| {
@@ -171,6 +176,85 @@ impl Norm {
     }
 }
 
+// ------------------------------------------------------------------ CUDA
+
+impl Norm {
+    /// The forward on CUDA: accel-kernels' row kernel over f32 operands (the
+    /// op layer converts half inputs, see `ops::norm`).
+    fn cuda_forward(
+        &self,
+        x: (&CudaStorage, &Layout),
+        w: (&CudaStorage, &Layout),
+        b: Option<(&CudaStorage, &Layout)>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let y = accel_kernels::cuda::row_norm_forward(x, w, b, self.eps, self.rms)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((y, x.1.shape().clone()))
+    }
+
+    /// (dx, dw, db) on CUDA: one op computing all three into one buffer
+    /// (`[dx | dw | db]`), then views of it.
+    fn cuda_backward(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (n, d) = (x.elem_count(), w.dim(0)?);
+        let packed = grad
+            .contiguous()?
+            .apply_op3_no_bwd(x, w, &NormGrad(*self))?;
+        Ok((
+            packed.narrow(0, 0, n)?.reshape(x.shape())?,
+            packed.narrow(0, n, d)?,
+            packed.narrow(0, n + d, d)?,
+        ))
+    }
+}
+
+/// The gradients of [`Norm`] on CUDA, as one op over `(grad, x, w)` with no
+/// backward of its own.
+struct NormGrad(Norm);
+
+impl CustomOp3 for NormGrad {
+    fn name(&self) -> &'static str {
+        "accel-norm-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("accel-norm-grad runs on CUDA only (the CPU backward is Norm::backward)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        g: &CudaStorage,
+        gl: &Layout,
+        x: &CudaStorage,
+        xl: &Layout,
+        w: &CudaStorage,
+        wl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = accel_kernels::cuda::row_norm_backward(
+            (x, xl),
+            (w, wl),
+            (g, gl),
+            self.0.eps,
+            self.0.rms,
+        )
+        .map_err(candle_core::Error::wrap)?;
+        let d = wl.shape().elem_count();
+        Ok((out, Shape::from(xl.shape().elem_count() + 2 * d)))
+    }
+}
+
 impl CustomOp3 for Norm {
     fn name(&self) -> &'static str {
         "accel-layer-norm"
@@ -186,6 +270,18 @@ impl CustomOp3 for Norm {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         self.forward((s1, l1), (s2, l2), Some((s3, l3)))
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.cuda_forward((s1, l1), (s2, l2), Some((s3, l3)))
     }
 
     fn bwd(
@@ -218,6 +314,16 @@ impl CustomOp2 for Norm {
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         self.forward((s1, l1), (s2, l2), None)
+    }
+
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        self.cuda_forward((s1, l1), (s2, l2), None)
     }
 
     fn bwd(

@@ -1,0 +1,199 @@
+//! Row-wise kernels on a `[rows, d]` f32 matrix (`rownorm.cu`): layer norm
+//! and RMS norm over the last dimension, forward and backward. They take
+//! candle storages and layouts, which is what a `CustomOp`'s `cuda_fwd` is
+//! handed, so that accel-nn's norm ops run as one kernel forward and three
+//! backward on CUDA instead of some thirty composed candle ops, each with its
+//! own allocation and launch (the GPU training step of the README is bound by
+//! exactly that host work).
+//!
+//! Operands go to the kernels as cudarc views, so cudarc's per-allocation
+//! events order them against other streams like any candle op.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::CudaStorage;
+use candle_core::Layout;
+use cudarc::driver::{CudaSlice, CudaView};
+
+use super::launch::{launch_rows, RowArgs};
+use super::WrapDriver;
+use crate::{Error, Result};
+
+/// Rows per partial sum of the weight gradients (`ROWS_PER_PARTIAL` in
+/// `rownorm.cu`).
+pub(crate) const ROWS_PER_PARTIAL: usize = 64;
+
+/// The contiguous f32 elements of `(s, l)` as a view; `index` names the
+/// operand in errors.
+fn f32_view<'a>(
+    op: &'static str,
+    index: usize,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<CudaView<'a, f32>> {
+    let slice = s
+        .as_cuda_slice::<f32>()
+        .map_err(|_| Error::UnsupportedDType {
+            op,
+            dtype: s.dtype(),
+        })?;
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or(Error::RequiresContiguous { op, index })?;
+    Ok(slice.slice(start..end))
+}
+
+/// `(rows, d)` of `x` normalised over its last dimension with a `[d]`
+/// weight (and bias).
+fn rows_and_width(
+    op: &'static str,
+    xl: &Layout,
+    wl: &Layout,
+    bl: Option<&Layout>,
+) -> Result<(usize, usize)> {
+    let d = wl.shape().elem_count();
+    let fits =
+        xl.dims().last() == Some(&d) && wl.dims() == [d] && bl.is_none_or(|b| b.dims() == [d]);
+    if !fits || d == 0 {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "x {:?}, weight {:?}, bias {:?} do not fit",
+                xl.dims(),
+                wl.dims(),
+                bl.map(|b| b.dims().to_vec())
+            ),
+        });
+    }
+    let rows = xl.shape().elem_count() / d;
+    let small = |n: usize| u32::try_from(n).is_ok();
+    if !small(rows) || !small(d) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("{rows} rows of {d} exceed one launch"),
+        });
+    }
+    Ok((rows, d))
+}
+
+/// Layer norm (`rms`: RMS norm, no bias) of the f32 matrix `x` over its last
+/// dimension: `(x - mean) * rstd * w [+ b]` with the biased variance, as
+/// accel-nn's CPU kernel computes it. Returns a new storage of `x`'s shape.
+///
+/// # Errors
+/// Non-f32 or non-contiguous operands, shapes that do not fit, driver errors.
+pub fn row_norm_forward(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    b: Option<(&CudaStorage, &Layout)>,
+    eps: f32,
+    rms: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "row_norm_forward";
+    let (rows, d) = rows_and_width(OP, x.1, w.1, b.map(|b| b.1))?;
+    let dev = x.0.device.clone();
+    let stream = dev.cuda_stream();
+    let xv = f32_view(OP, 0, x.0, x.1)?;
+    let wv = f32_view(OP, 1, w.0, w.1)?;
+    let bv = b.map(|(s, l)| f32_view(OP, 2, s, l)).transpose()?;
+    // Zeroed (cudarc's unset `alloc` is unsafe): the kernel writes every
+    // element anyway.
+    let mut y: CudaSlice<f32> = stream.alloc_zeros(rows * d).w(OP, "alloc")?;
+    if rows > 0 {
+        launch_rows(
+            OP,
+            &dev,
+            RowArgs::Forward {
+                x: &xv,
+                w: &wv,
+                b: bv.as_ref(),
+                y: &mut y,
+                rows: rows as u32,
+                d: d as u32,
+                eps,
+                rms,
+            },
+        )?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// The gradients of [`row_norm_forward`] for the output gradient `g`:
+/// one f32 storage holding `dx` (`rows * d` elements, `x`'s layout), then
+/// `dw` and `db` (`d` each; `db` is the bias gradient, unused for RMS norm).
+///
+/// # Errors
+/// As [`row_norm_forward`]; `g` must have `x`'s shape.
+pub fn row_norm_backward(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    eps: f32,
+    rms: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "row_norm_backward";
+    let (rows, d) = rows_and_width(OP, x.1, w.1, None)?;
+    if g.1.dims() != x.1.dims() {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: format!("gradient {:?} for x {:?}", g.1.dims(), x.1.dims()),
+        });
+    }
+    let dev = x.0.device.clone();
+    let stream = dev.cuda_stream();
+    let xv = f32_view(OP, 0, x.0, x.1)?;
+    let wv = f32_view(OP, 1, w.0, w.1)?;
+    let gv = f32_view(OP, 2, g.0, g.1)?;
+    let n = rows * d;
+    let mut out: CudaSlice<f32> = stream.alloc_zeros(n + 2 * d).w(OP, "alloc")?;
+    if rows > 0 {
+        let blocks = rows.div_ceil(ROWS_PER_PARTIAL);
+        let mut stats: CudaSlice<f32> = stream.alloc_zeros(2 * rows).w(OP, "alloc")?;
+        let mut pw: CudaSlice<f32> = stream.alloc_zeros(blocks * d).w(OP, "alloc")?;
+        let mut pb: CudaSlice<f32> = stream.alloc_zeros(blocks * d).w(OP, "alloc")?;
+        let (rows32, d32) = (rows as u32, d as u32);
+        {
+            let mut dx = out.slice_mut(0..n);
+            launch_rows(
+                OP,
+                &dev,
+                RowArgs::BackwardDx {
+                    x: &xv,
+                    w: &wv,
+                    g: &gv,
+                    dx: &mut dx,
+                    stats: &mut stats,
+                    rows: rows32,
+                    d: d32,
+                    eps,
+                    rms,
+                },
+            )?;
+        }
+        launch_rows(
+            OP,
+            &dev,
+            RowArgs::BackwardPartials {
+                x: &xv,
+                g: &gv,
+                stats: &stats,
+                pw: &mut pw,
+                pb: &mut pb,
+                rows: rows32,
+                d: d32,
+            },
+        )?;
+        let mut dwdb = out.slice_mut(n..n + 2 * d);
+        launch_rows(
+            OP,
+            &dev,
+            RowArgs::BackwardSum {
+                pw: &pw,
+                pb: &pb,
+                dwdb: &mut dwdb,
+                blocks: blocks as u32,
+                d: d32,
+            },
+        )?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+}
