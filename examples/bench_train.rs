@@ -89,18 +89,7 @@ fn steps_per_round(kind: Kind) -> usize {
 
 fn main() -> Result<()> {
     let mut args = Args::parse();
-    let dev = match args.device.as_str() {
-        "cpu" => Device::Cpu,
-        "cuda" => accel_core::kernels::cuda_device(0)?,
-        "cuda-untracked" => {
-            let dev = Device::new_cuda(0)?;
-            // The same memory pool setting as `cuda_device`: only the event
-            // tracking differs.
-            accel_core::kernels::cuda::retain_freed_memory(&dev, true)?;
-            dev
-        }
-        other => anyhow::bail!("--device {other:?}: expected cpu, cuda or cuda-untracked"),
-    };
+    let dev = accel_examples::device_named(&args.device)?;
     let _ = DEVICE.set(dev);
     // The Accelerator row would tune glibc's malloc when it is built (see
     // accel_dist::malloc); doing it first gives every row, candle_nn and

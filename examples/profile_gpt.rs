@@ -136,23 +136,6 @@ fn report(name: &str, p: &Phases, first: f32, last: f32, extra: serde_json::Valu
     println!("{v}");
 }
 
-/// The device behind a `--device` name.
-fn device_named(name: &str) -> Result<Device> {
-    Ok(match name {
-        "cpu" => Device::Cpu,
-        "cuda" => accel_core::kernels::cuda_device(0)?,
-        "cuda-untracked" => {
-            let dev = Device::new_cuda(0)?;
-            // The pool setting `cuda_device` makes: only the tracking differs.
-            accel_core::kernels::cuda::retain_freed_memory(&dev, true)?;
-            dev
-        }
-        other => {
-            anyhow::bail!("--device {other:?}: expected cpu, cuda, cuda-untracked or cuda-both")
-        }
-    })
-}
-
 /// Times the benchmark GPT on `dev` and prints its line.
 fn profile_gpt(args: &Args, dev: &Device, device: &str, round: usize) -> Result<()> {
     let params = ParamsAdamW {
@@ -194,7 +177,7 @@ fn main() -> Result<()> {
     };
     let devices = names
         .iter()
-        .map(|n| device_named(n))
+        .map(|n| accel_examples::device_named(n))
         .collect::<Result<Vec<_>>>()?;
     let dev = devices[0].clone();
 

@@ -14,6 +14,7 @@
 //! so that the same batches can be replayed against the PyTorch reference.
 #![warn(missing_docs)]
 
+pub mod devices;
 pub mod finetune_hf;
 pub mod generate;
 pub mod gpt;
@@ -27,6 +28,7 @@ pub mod stock;
 pub mod text;
 
 pub use accel_core::rng::SplitMix64;
+pub use devices::device_named;
 pub use gpt::{Gpt, GptConfig};
 pub use mlp::Mlp;
 pub use text::CharTokenizer;
