@@ -1,7 +1,7 @@
 //! Times training steps (forward + backward + `candle_nn::AdamW`) of the
 //! benchmark models on CPU and prints one JSON object per workload.
 //!
-//! `cargo run --release -p accel-examples --example profile_gpt -- [--composed] [--steps N] [--dtype f32|bf16|f16] [--only gpt|mlp] [--device cpu|cuda|cuda-untracked|cuda-both]`
+//! `cargo run --release -p accel-examples --example profile_gpt -- [--composed] [--steps N] [--dtype f32|bf16|f16] [--only gpt|mlp] [--device cpu|cuda|cuda-untracked|cuda-both] [--optimizer candle|fused]`
 //!
 //! `--composed` switches the GPT from the fused CPU kernels to plain candle
 //! ops, to see what the kernels buy. Each workload reports the mean time of
@@ -17,11 +17,17 @@
 //! own `Device::new_cuda(0)` (one stream, no tracking), and `cuda-both`
 //! alternates the two in one process, two rounds each, so their ratio is
 //! not blurred by process-to-process variation.
+//!
+//! `--optimizer fused` steps with `accel_kernels::adamw_step` (one pass
+//! over all parameters, what `bench_train`'s accel_nn row uses) instead of
+//! candle-nn's `AdamW` (a dozen tensor ops per parameter), so a profile of
+//! the GPT matches that benchmark.
 
 use std::time::Instant;
 
 use accel_examples::{mnist_like, text, Gpt, GptConfig, Mlp};
 use anyhow::Result;
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
 
@@ -31,6 +37,7 @@ struct Args {
     dtype: DType,
     only: Option<String>,
     device: String,
+    fused_optimizer: bool,
 }
 
 fn parse_args() -> Result<Args> {
@@ -40,6 +47,7 @@ fn parse_args() -> Result<Args> {
         dtype: DType::F32,
         only: None,
         device: "cpu".into(),
+        fused_optimizer: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
@@ -55,6 +63,13 @@ fn parse_args() -> Result<Args> {
             }
             "--only" => args.only = it.next(),
             "--device" => args.device = it.next().unwrap_or_default(),
+            "--optimizer" => {
+                args.fused_optimizer = match it.next().as_deref() {
+                    Some("fused") => true,
+                    Some("candle") => false,
+                    other => anyhow::bail!("--optimizer {other:?}: expected candle or fused"),
+                }
+            }
             other => anyhow::bail!("unknown argument {other}"),
         }
     }
@@ -74,10 +89,82 @@ struct Phases {
     median_step: f64,
 }
 
+/// One optimizer step from a gradient store: candle-nn's `AdamW`, or
+/// [`FusedAdamW`].
+trait Stepper {
+    fn step_with(&mut self, grads: &GradStore) -> Result<()>;
+}
+
+impl Stepper for AdamW {
+    fn step_with(&mut self, grads: &GradStore) -> Result<()> {
+        Ok(self.step(grads)?)
+    }
+}
+
+/// AdamW with the same hyperparameters through `accel_kernels::adamw_step`.
+struct FusedAdamW {
+    params: Vec<Tensor>,
+    m: Vec<Tensor>,
+    v: Vec<Tensor>,
+    hp: accel_core::kernels::AdamWParams,
+    step: u64,
+}
+
+impl FusedAdamW {
+    fn new(vars: Vec<candle_core::Var>, p: &ParamsAdamW) -> Result<Self> {
+        let params: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let zeros = |ps: &[Tensor]| {
+            ps.iter()
+                .map(Tensor::zeros_like)
+                .collect::<candle_core::Result<Vec<_>>>()
+        };
+        Ok(Self {
+            m: zeros(&params)?,
+            v: zeros(&params)?,
+            params,
+            hp: accel_core::kernels::AdamWParams {
+                lr: p.lr,
+                beta1: p.beta1,
+                beta2: p.beta2,
+                eps: p.eps,
+                weight_decay: p.weight_decay,
+            },
+            step: 0,
+        })
+    }
+}
+
+impl Stepper for FusedAdamW {
+    fn step_with(&mut self, grads: &GradStore) -> Result<()> {
+        self.step += 1;
+        let gs: Vec<Tensor> = self
+            .params
+            .iter()
+            .map(|p| {
+                grads
+                    .get(p)
+                    .cloned()
+                    .ok_or_else(|| anyhow::anyhow!("a parameter has no gradient"))
+            })
+            .collect::<Result<_>>()?;
+        accel_core::kernels::adamw_step(&self.params, &gs, &self.m, &self.v, self.step, &self.hp)?;
+        Ok(())
+    }
+}
+
+/// The optimizer `args` asks for over `vars`.
+fn optimizer(args: &Args, vars: Vec<candle_core::Var>, p: ParamsAdamW) -> Result<Box<dyn Stepper>> {
+    Ok(if args.fused_optimizer {
+        Box::new(FusedAdamW::new(vars, &p)?)
+    } else {
+        Box::new(AdamW::new(vars, p)?)
+    })
+}
+
 fn time_steps(
     steps: usize,
     mut loss_fn: impl FnMut() -> candle_core::Result<Tensor>,
-    opt: &mut AdamW,
+    opt: &mut dyn Stepper,
 ) -> Result<(Phases, f32, f32)> {
     let mut p = Phases::default();
     let mut steps_s = Vec::with_capacity(steps);
@@ -89,7 +176,7 @@ fn time_steps(
         let t1 = Instant::now();
         let grads = loss.backward()?;
         let t2 = Instant::now();
-        opt.step(&grads)?;
+        opt.step_with(&grads)?;
         let t3 = Instant::now();
         last = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         let t4 = Instant::now();
@@ -153,12 +240,13 @@ fn profile_gpt(args: &Args, dev: &Device, device: &str, round: usize) -> Result<
     assert_eq!(n, b);
     let x = Tensor::from_vec(x, (b, t), dev)?;
     let y = Tensor::from_vec(y, (b, t), dev)?;
-    let mut opt = AdamW::new(map.all_vars(), params)?;
-    let (p, first, last) = time_steps(args.steps, || gpt.loss(&x, &y), &mut opt)?;
+    let mut opt = optimizer(args, map.all_vars(), params)?;
+    let (p, first, last) = time_steps(args.steps, || gpt.loss(&x, &y), opt.as_mut())?;
     let extra = serde_json::json!({
         "batch": b, "block": t, "fused": !args.composed,
         "dtype": format!("{:?}", args.dtype), "params": cfg.num_params(),
         "device": device, "round": round,
+        "optimizer": if args.fused_optimizer { "fused" } else { "candle" },
     });
     report("gpt_bench", &p, first, last, extra);
     Ok(())
@@ -197,8 +285,8 @@ fn main() -> Result<()> {
         let (x, y) = mnist_like::synthetic_classification(batch, 784, 10, 0);
         let x = Tensor::from_vec(x, (batch, 784), &dev)?.to_dtype(args.dtype)?;
         let y = Tensor::from_vec(y, batch, &dev)?;
-        let mut opt = AdamW::new(map.all_vars(), params)?;
-        let (p, first, last) = time_steps(args.steps * 10, || mlp.loss(&x, &y), &mut opt)?;
+        let mut opt = optimizer(&args, map.all_vars(), params)?;
+        let (p, first, last) = time_steps(args.steps * 10, || mlp.loss(&x, &y), opt.as_mut())?;
         let extra = serde_json::json!({ "batch": batch, "dtype": format!("{:?}", args.dtype) });
         report("mlp_784_512_512_10", &p, first, last, extra);
     }
