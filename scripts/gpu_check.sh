@@ -34,8 +34,8 @@
 #    of transformers' and greedy tokens equal to its `generate`; finetune_hf on the GPU in fp32,
 #    bf16 and fp16 against the CPU run (fp32 within 1e-4, the others 5%);
 # 8. bench_train's GPT workload on cuda:0, and torch's on the same GPU when torch is there; then
-#    on candle's own device without cross-stream event tracking (bench-gpu-untracked), and both
-#    alternating in one process with the host's share of each step (profile-gpu).
+#    profile_gpt on the tracked and untracked devices alternating in one process, with the host's
+#    share of each step (profile-gpu).
 # The CUDA/NCCL tests are #[ignore]d in ordinary runs and run here with --ignored; without a
 # visible GPU they fail (they never pass silently). Logs go to $GPU_CHECK_LOGS (default: the
 # target dir), so a device tool can bring them back; GPU_CHECK_ONLY="gpt-cuda bench-gpu" runs
@@ -335,9 +335,9 @@ run_step hf-gpu 240 hf_gpu
 
 # 8. One GPT step on the GPU, accel-rs against torch (when importable) in the same run.
 run_step bench-gpu 240 bash -c "set -o pipefail; '$BIN_DIR/bench_train' --device cuda --only gpt --rounds 3 --json | tee '$LOGS/bench_train_cuda.json'"
-# The same on candle's own device (no cross-stream event tracking): what the tracking costs a step.
-run_step bench-gpu-untracked 240 bash -c "set -o pipefail; '$BIN_DIR/bench_train' --device cuda-untracked --only gpt --rounds 3 --json | tee '$LOGS/bench_train_cuda_untracked.json'"
-# Both devices alternating in one process, with the host's share of each step.
+# With and without cudarc's cross-stream event tracking (candle's own device), alternating in one
+# process, with the host's share of each step. (Across processes, `bench_train --device
+# cuda-untracked` against the step above varied more than the effect.)
 run_step profile-gpu 240 bash -c "set -o pipefail; '$BIN_DIR/profile_gpt' --device cuda-both --only gpt --steps 60 | tee '$LOGS/profile_gpt_cuda.jsonl'"
 
 echo "=== summary"
