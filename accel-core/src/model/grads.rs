@@ -26,8 +26,10 @@ impl PreparedModel {
     ///
     /// `store` must be dropped by the caller right after (the Accelerator's
     /// `backward` does): a first fp32 gradient is adopted as the accumulator
-    /// itself, not copied, since candle builds every gradient of a variable
-    /// as a fresh tensor (`zeros + grad`) that nothing else holds.
+    /// itself, not copied, since every gradient `Tensor::backward` returns
+    /// owns a contiguous storage that nothing else holds (the workspace's
+    /// patched candle-core copies out any that would share one, see
+    /// `vendor/candle-core/src/backprop.rs`).
     pub(crate) fn accumulate(&self, store: &GradStore) -> Result<()> {
         let mut g = self.lock();
         let found: Vec<(usize, Tensor)> = (0..g.names.len())
