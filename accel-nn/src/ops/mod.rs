@@ -51,7 +51,20 @@ pub mod composed {
 /// Whether `t` takes the fused CPU kernels: a CPU tensor of a dtype they
 /// handle (f64 and integer tensors go the composed way).
 fn fused(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
+    t.device().is_cpu() && fused_dtype(t)
+}
+
+/// Whether `t` takes accel-kernels' CUDA kernels (the norms have them): a
+/// CUDA tensor of a dtype [`fused`] takes, in a build with the `cuda`
+/// feature (which brings the kernels; a CUDA tensor can exist without it
+/// when another crate turns on candle's).
+fn fused_cuda(t: &Tensor) -> bool {
+    cfg!(feature = "cuda") && t.device().is_cuda() && fused_dtype(t)
+}
+
+/// The dtypes the fused kernels handle.
+fn fused_dtype(t: &Tensor) -> bool {
+    matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
 /// `t` in f32 when it is f16/bf16, else unchanged: the composed paths do

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Result, Tensor, D};
 
-use super::{fused, upcast};
+use super::{fused, fused_cuda, upcast};
 use crate::kernels;
 
 /// `(x - mean) / sqrt(var + eps) * w [+ b]` over the last dimension
@@ -43,15 +43,6 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     } else {
         composed_rms_norm(x, w, eps)
     }
-}
-
-/// Whether `x` takes accel-kernels' CUDA row kernels: a float CUDA tensor in
-/// a build with the `cuda` feature (which brings the kernels; a CUDA tensor
-/// can exist without it when another crate turns on candle's).
-fn fused_cuda(x: &Tensor) -> bool {
-    cfg!(feature = "cuda")
-        && x.device().is_cuda()
-        && matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16)
 }
 
 /// Composed layer norm: statistics in f32 for half inputs, the affine part
