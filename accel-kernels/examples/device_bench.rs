@@ -40,9 +40,16 @@ const TENSORS: usize = 8;
 /// Calls per pipelined measurement.
 const PIPELINED: usize = 10;
 
+/// The median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Median seconds of `reps` runs of `f`, each followed by a device sync, and
-/// the median host time of the call alone (enqueueing: building and uploading
-/// the chunk table, locking, launching), which the device waits behind.
+/// the median host time of the call alone (enqueueing: building the launch
+/// tables, locking and fencing the tensors, launching), which the device
+/// waits behind.
 fn median_secs(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<(f64, f64)> {
     f()?;
     dev.synchronize()?;
@@ -54,9 +61,7 @@ fn median_secs(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) -> 
         dev.synchronize()?;
         t.push(start.elapsed().as_secs_f64());
     }
-    t.sort_by(f64::total_cmp);
-    q.sort_by(f64::total_cmp);
-    Ok((t[t.len() / 2], q[q.len() / 2]))
+    Ok((median(t), median(q)))
 }
 
 /// Median seconds per call of `reps` runs of [`PIPELINED`] calls of `f`
@@ -73,8 +78,7 @@ fn pipelined_secs(dev: &Device, reps: usize, mut f: impl FnMut() -> Result<()>) 
         dev.synchronize()?;
         t.push(start.elapsed().as_secs_f64() / PIPELINED as f64);
     }
-    t.sort_by(f64::total_cmp);
-    Ok(t[t.len() / 2])
+    Ok(median(t))
 }
 
 fn list(dev: &Device, n: usize, tensors: usize, dtype: DType) -> Result<Vec<Tensor>> {
