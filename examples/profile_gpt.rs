@@ -223,13 +223,18 @@ fn report(name: &str, p: &Phases, first: f32, last: f32, extra: serde_json::Valu
     println!("{v}");
 }
 
-/// Times the benchmark GPT on `dev` and prints its line.
-fn profile_gpt(args: &Args, dev: &Device, device: &str, round: usize) -> Result<()> {
-    let params = ParamsAdamW {
+/// The AdamW settings of both workloads.
+fn adamw_params() -> ParamsAdamW {
+    ParamsAdamW {
         lr: 3e-4,
         weight_decay: 0.1,
         ..Default::default()
-    };
+    }
+}
+
+/// Times the benchmark GPT on `dev` and prints its line.
+fn profile_gpt(args: &Args, dev: &Device, device: &str, round: usize) -> Result<()> {
+    let params = adamw_params();
     let cfg = GptConfig::bench();
     let (b, t) = (8, cfg.block_size);
     let map = VarMap::new();
@@ -254,11 +259,7 @@ fn profile_gpt(args: &Args, dev: &Device, device: &str, round: usize) -> Result<
 
 fn main() -> Result<()> {
     let args = parse_args()?;
-    let params = ParamsAdamW {
-        lr: 3e-4,
-        weight_decay: 0.1,
-        ..Default::default()
-    };
+    let params = adamw_params();
     let names: Vec<&str> = match args.device.as_str() {
         "cuda-both" => vec!["cuda", "cuda-untracked", "cuda-untracked", "cuda"],
         one => vec![one],
