@@ -215,6 +215,21 @@ unsafe fn gemm_split(
     });
 }
 
+/// Asks the CPU to bring the cache line holding `p` into L1 ahead of its
+/// use. `p` may point anywhere, past a slice's end included: a prefetch is a
+/// hint that reads nothing the program sees and never faults.
+#[inline(always)]
+pub(crate) fn prefetch(p: *const f32) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `prefetcht0` only hints the cache; it does not dereference
+    // `p` in a way that can fault, and SSE is in x86_64's baseline.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Below this many flops a gemm runs on the calling thread.
 const PAR_MIN_FLOPS: usize = 1 << 20;
 
