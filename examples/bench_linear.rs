@@ -1,0 +1,100 @@
+//! The linear layer's forward for few rows (a prompt, a small batch): accel-nn's
+//! `ops::linear` against candle's `matmul` with the transposed weight (the same
+//! product, `x @ w^T`, on the same tensors), alternating in one process. One
+//! JSON object per shape and row count, GFLOP/s of each side's median time.
+//!
+//! ```text
+//! cargo run --release --example bench_linear -- [--rows 1,16,32,64,128,256] [--reps 9]
+//! ```
+//! The default shapes are the linear layers of `bench_bigmodel`'s Llama
+//! (hidden 1536, intermediate 4096, 4 KV heads of 128, vocab 32000): `k x
+//! out` = 1536 x 1536 (q, o), 1536 x 512 (k, v), 1536 x 4096 (gate, up),
+//! 4096 x 1536 (down), 1536 x 32000 (head). Up to 256 rows, accel-nn's
+//! forward is `accel-nn/src/kernels/skinny`, which reads the weight where it
+//! lies; candle's gemm repacks it on every call.
+
+use std::time::Instant;
+
+use accel_core::nn::ops::linear;
+use anyhow::Result;
+use candle_core::{Device, Tensor};
+use clap::Parser;
+use serde_json::json;
+
+#[derive(Parser, Debug)]
+struct Args {
+    /// Row counts of `x`, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 32, 64, 128, 256])]
+    rows: Vec<usize>,
+    /// Timed calls per side; figures are medians.
+    #[arg(long, default_value_t = 9)]
+    reps: usize,
+    /// `k x out` shapes, as `KxOUT` comma-separated (default: the Llama's).
+    #[arg(long, value_delimiter = ',')]
+    shapes: Vec<String>,
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn parse_shape(s: &str) -> Result<(usize, usize)> {
+    let (k, out) = s
+        .split_once('x')
+        .ok_or_else(|| anyhow::anyhow!("--shapes: {s:?} is not KxOUT"))?;
+    Ok((k.parse()?, out.parse()?))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(args.reps > 0, "--reps must be at least 1");
+    let shapes = if args.shapes.is_empty() {
+        vec![
+            (1536, 1536),
+            (1536, 512),
+            (1536, 4096),
+            (4096, 1536),
+            (1536, 32000),
+        ]
+    } else {
+        args.shapes
+            .iter()
+            .map(|s| parse_shape(s))
+            .collect::<Result<_>>()?
+    };
+    let dev = Device::Cpu;
+    for (k, out) in shapes {
+        let w = Tensor::randn(0f32, 0.02, (out, k), &dev)?;
+        for &m in &args.rows {
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+            // Agreement first: the two sides compute the same product.
+            let (a, b) = (linear(&x, &w, None, None)?, x.matmul(&w.t()?)?);
+            let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let (mut ours, mut candle) = (Vec::new(), Vec::new());
+            for _ in 0..args.reps {
+                let t = Instant::now();
+                std::hint::black_box(linear(&x, &w, None, None)?);
+                ours.push(t.elapsed().as_secs_f64());
+                let t = Instant::now();
+                std::hint::black_box(x.matmul(&w.t()?)?);
+                candle.push(t.elapsed().as_secs_f64());
+            }
+            let flops = 2.0 * (m * k * out) as f64;
+            let (ours, candle) = (median(ours), median(candle));
+            println!(
+                "{}",
+                json!({
+                    "k": k,
+                    "out": out,
+                    "rows": m,
+                    "accel_nn_gflops": (flops / ours / 1e8).round() / 10.0,
+                    "candle_gflops": (flops / candle / 1e8).round() / 10.0,
+                    "speedup": (candle / ours * 100.0).round() / 100.0,
+                    "max_abs_diff": diff,
+                })
+            );
+        }
+    }
+    Ok(())
+}
