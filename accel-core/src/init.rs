@@ -7,8 +7,14 @@
 //! will run ([`Keep`]): the whole variable for a replicated model, or only this
 //! rank's piece for a sharded one. Both draw the very same values, so a
 //! sharded run starts from exactly the pieces of the replicated run.
+//!
+//! With a checkpoint to start from ([`SeededBackend::from`]), each value is
+//! read from it instead of drawn: a pretrained model never pays for a random
+//! draw it would overwrite (Box-Muller on one thread: seconds per billion
+//! parameters), as transformers' `from_pretrained` skips its init.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Shape, Tensor, Var};
@@ -16,7 +22,7 @@ use candle_nn::init::{Init, NormalOrUniform};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarMap;
 
-use accel_bigmodel::placeholder;
+use accel_bigmodel::{placeholder, CheckpointSource};
 
 use crate::rng::{fnv1a, SplitMix64};
 
@@ -55,6 +61,77 @@ pub(crate) struct Pieces {
 pub(crate) struct SeededBackend {
     pub seed: u64,
     pub keep: Keep,
+    /// A checkpoint every parameter starts from, instead of the seed.
+    pub from: Option<Arc<Pretrained>>,
+}
+
+/// A checkpoint parameters start from, and the names read from it so far.
+pub(crate) struct Pretrained {
+    pub source: CheckpointSource,
+    pub used: Mutex<HashSet<String>>,
+}
+
+impl Pretrained {
+    /// Opens `checkpoint` (see [`CheckpointSource::open`]).
+    pub fn open(checkpoint: &Path) -> crate::Result<Self> {
+        Ok(Pretrained {
+            source: CheckpointSource::open(checkpoint)?,
+            used: Mutex::default(),
+        })
+    }
+
+    /// Warns, as `load_checkpoint` does, when some of the checkpoint's
+    /// tensors went to no parameter.
+    pub fn warn_unused(&self) {
+        let used = self.used.lock().unwrap_or_else(|e| e.into_inner());
+        let extra = self.source.names().filter(|n| !used.contains(*n)).count();
+        if extra > 0 {
+            tracing::warn!(
+                checkpoint = %self.source.checkpoint().display(),
+                extra,
+                "checkpoint tensors the model does not use were ignored"
+            );
+        }
+    }
+}
+
+impl SeededBackend {
+    /// The fp32 starting value of parameter `name` on `dev`: the
+    /// checkpoint's tensor (which must exist and have `shape`), else drawn.
+    fn initial(
+        &self,
+        name: &str,
+        h: Init,
+        shape: &Shape,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let Some(from) = &self.from else {
+            return Tensor::from_vec(init_values(self.seed, name, h, shape), shape, dev);
+        };
+        let source = &from.source;
+        let Some(at) = source.locate(name) else {
+            candle_core::bail!(
+                "parameter `{name}` is not in the checkpoint {}",
+                source.checkpoint().display()
+            )
+        };
+        if at.shape() != shape.dims() {
+            candle_core::bail!(
+                "{}: tensor `{name}` has shape {:?}, the model's parameter {:?}",
+                at.file.display(),
+                at.shape(),
+                shape.dims()
+            )
+        }
+        let t = source
+            .tensor(name, dev, Some(DType::F32))
+            .map_err(candle_core::Error::wrap)?;
+        from.used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string());
+        Ok(t)
+    }
 }
 
 /// Draws the fp32 values of `init` for a tensor of `shape`, seeded by `seed` and `name`.
@@ -90,7 +167,7 @@ pub fn init_values(seed: u64, name: &str, init: Init, shape: &Shape) -> Vec<f32>
 impl FullVars {
     fn get(
         &self,
-        seed: u64,
+        init: &SeededBackend,
         s: Shape,
         name: &str,
         h: Init,
@@ -108,8 +185,7 @@ impl FullVars {
             }
             return t.to_dtype(dtype);
         }
-        let values = init_values(seed, name, h, &s);
-        let master = Tensor::from_vec(values, s, dev)?;
+        let master = init.initial(name, h, &s, dev)?;
         let var = if dtype == DType::F32 {
             Var::from_tensor(&master)?
         } else {
@@ -129,7 +205,7 @@ impl FullVars {
 impl Pieces {
     fn get(
         &self,
-        seed: u64,
+        init: &SeededBackend,
         s: Shape,
         name: &str,
         h: Init,
@@ -143,11 +219,14 @@ impl Pieces {
             }
             return placeholder(s, dtype, dev);
         }
-        // Every rank draws the same full values (seed and name only), so the
-        // pieces are exactly those a replicated run would start from.
-        let values = init_values(seed, name, h, &s);
-        let r = accel_dist::fsdp::piece_range(values.len(), self.world, self.rank);
-        let piece = Tensor::from_vec(values[r.clone()].to_vec(), r.len(), &self.master_device)?;
+        // Every rank draws the same full values (seed and name only, or the
+        // checkpoint), so the pieces are exactly those a replicated run
+        // would start from.
+        let full = init
+            .initial(name, h, &s, &self.master_device)?
+            .flatten_all()?;
+        let r = accel_dist::fsdp::piece_range(full.elem_count(), self.world, self.rank);
+        let piece = full.narrow(0, r.start, r.len())?.copy()?;
         drawn.push((name.to_string(), s.clone(), piece));
         placeholder(s, dtype, dev)
     }
@@ -163,8 +242,8 @@ impl SimpleBackend for SeededBackend {
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         match &self.keep {
-            Keep::Full(full) => full.get(self.seed, s, name, h, dtype, dev),
-            Keep::Piece(pieces) => pieces.get(self.seed, s, name, h, dtype, dev),
+            Keep::Full(full) => full.get(self, s, name, h, dtype, dev),
+            Keep::Piece(pieces) => pieces.get(self, s, name, h, dtype, dev),
         }
     }
 

@@ -254,12 +254,23 @@ impl Accelerator {
     /// A `VarBuilder` that creates parameters into `varmap` in the compute
     /// dtype, initialised from the seed and each parameter's name.
     pub fn var_builder(&self, varmap: &VarMap) -> VarBuilder<'static> {
+        self.var_builder_from(varmap, None)
+    }
+
+    /// [`Accelerator::var_builder`], with the starting values read from
+    /// `from` when given.
+    pub(crate) fn var_builder_from(
+        &self,
+        varmap: &VarMap,
+        from: Option<Arc<crate::init::Pretrained>>,
+    ) -> VarBuilder<'static> {
         let backend = SeededBackend {
             seed: self.seed,
             keep: Keep::Full(FullVars {
                 varmap: varmap.clone(),
                 masters: self.masters.clone(),
             }),
+            from,
         };
         VarBuilder::from_backend(
             Box::new(backend),

@@ -1,5 +1,6 @@
 //! `prepare_fsdp_model`: building a model straight into sharded parameters.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use candle_core::Device;
@@ -12,7 +13,7 @@ use super::Accelerator;
 use accel_nn::Model;
 
 use crate::fsdp::{plan_units, shard_blocks, FsdpModel};
-use crate::init::{Keep, Pieces, SeededBackend};
+use crate::init::{Keep, Pieces, Pretrained, SeededBackend};
 use crate::state::DistributedType;
 use crate::{Error, PreparedModel, Result};
 
@@ -25,8 +26,9 @@ impl Accelerator {
     /// data-parallel training, as [`Accelerator::prepare_model`] does. The
     /// model's one forward serves every case.
     ///
-    /// Pass the returned parameters to `prepare_optimizer`, and load
-    /// pretrained weights with [`PreparedModel::load_checkpoint`].
+    /// Pass the returned parameters to `prepare_optimizer`. To start from
+    /// pretrained weights, [`Accelerator::prepare_pretrained`] reads them
+    /// in place of the random draw.
     ///
     /// # Errors
     /// Those of `build` and of the preparation.
@@ -34,12 +36,44 @@ impl Accelerator {
         &mut self,
         build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, PreparedModel)> {
+        self.prepare_from(None, build)
+    }
+
+    /// [`Accelerator::prepare`] with every parameter starting from the
+    /// tensor of its name in `checkpoint` (a Hugging Face folder, a
+    /// `.safetensors` file or an index), in every precision and sharding:
+    /// what `prepare` then [`PreparedModel::load_checkpoint`] give, without
+    /// first drawing random values (on one thread, seconds per billion
+    /// parameters) only to overwrite them. Like `from_pretrained`,
+    /// checkpoint tensors the model does not use are ignored with a warning.
+    ///
+    /// # Errors
+    /// The checkpoint's (a missing or damaged file, named); a parameter the
+    /// checkpoint lacks or holds in another shape (named with the file), as
+    /// the error of `build`; those of the preparation.
+    pub fn prepare_pretrained<M: Model, E: Into<Error>>(
+        &mut self,
+        checkpoint: impl AsRef<Path>,
+        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
+    ) -> Result<(M, PreparedModel)> {
+        let from = Arc::new(Pretrained::open(checkpoint.as_ref())?);
+        let (model, params) = self.prepare_from(Some(from.clone()), build)?;
+        from.warn_unused();
+        Ok((model, params))
+    }
+
+    /// `prepare`, starting from `from` when given.
+    fn prepare_from<M: Model, E: Into<Error>>(
+        &mut self,
+        from: Option<Arc<Pretrained>>,
+        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
+    ) -> Result<(M, PreparedModel)> {
         if self.config.fsdp.is_some() {
-            let (model, fsdp) = self.prepare_fsdp_model(build)?;
+            let (model, fsdp) = self.prepare_fsdp_model_from(from, build)?;
             return Ok((model, fsdp.params().clone()));
         }
         let varmap = candle_nn::VarMap::new();
-        let model = build(self.var_builder(&varmap)).map_err(Into::into)?;
+        let model = build(self.var_builder_from(&varmap, from)).map_err(Into::into)?;
         let params = self.prepare_model(&varmap)?;
         Ok((model, params))
     }
@@ -87,6 +121,34 @@ impl Accelerator {
         &mut self,
         build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, FsdpModel)> {
+        self.prepare_fsdp_model_from(None, build)
+    }
+
+    /// [`Accelerator::prepare_fsdp_model`] with every piece cut from the
+    /// tensor of its name in `checkpoint`, as
+    /// [`Accelerator::prepare_pretrained`] does for any run: each rank reads
+    /// the tensors whole and keeps its piece.
+    ///
+    /// # Errors
+    /// Those of [`Accelerator::prepare_pretrained`] and of
+    /// [`Accelerator::prepare_fsdp_model`].
+    pub fn prepare_fsdp_pretrained<M: Model, E: Into<Error>>(
+        &mut self,
+        checkpoint: impl AsRef<Path>,
+        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
+    ) -> Result<(M, FsdpModel)> {
+        let from = Arc::new(Pretrained::open(checkpoint.as_ref())?);
+        let (model, fsdp) = self.prepare_fsdp_model_from(Some(from.clone()), build)?;
+        from.warn_unused();
+        Ok((model, fsdp))
+    }
+
+    /// `prepare_fsdp_model`, the pieces cut from `from`'s tensors when given.
+    fn prepare_fsdp_model_from<M: Model, E: Into<Error>>(
+        &mut self,
+        from: Option<Arc<Pretrained>>,
+        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
+    ) -> Result<(M, FsdpModel)> {
         let plugin = self.config.fsdp.clone().unwrap_or_default();
         let (world, rank) = plugin.shard_group(self.num_processes(), self.process_index());
         let master_device = if plugin.cpu_offload {
@@ -109,6 +171,7 @@ impl Accelerator {
                 master_device: master_device.clone(),
                 drawn: drawn.clone(),
             }),
+            from,
         };
         let vb = VarBuilder::from_backend(
             Box::new(backend),

@@ -148,15 +148,49 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
     /// # Errors
     /// As [`Trainer::new`].
     pub fn with_accelerator(
+        acc: Accelerator,
+        args: TrainingArguments,
+        build: impl FnOnce(VarBuilder<'static>) -> Result<M>,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+    ) -> Result<Self> {
+        Self::build(acc, args, None, build, train_dataset, eval_dataset)
+    }
+
+    /// As [`Trainer::new`], the model's parameters starting from the
+    /// tensors of `checkpoint` (a Hugging Face folder, a `.safetensors` file
+    /// or an index) instead of a seeded draw: transformers' `Trainer` on a
+    /// `from_pretrained` model. See [`Accelerator::prepare_pretrained`].
+    ///
+    /// # Errors
+    /// As [`Trainer::new`]; a parameter the checkpoint lacks or holds in
+    /// another shape, named with the file.
+    pub fn from_pretrained(
+        args: TrainingArguments,
+        checkpoint: impl AsRef<Path>,
+        build: impl FnOnce(VarBuilder<'static>) -> Result<M>,
+        train_dataset: D,
+        eval_dataset: Option<D>,
+    ) -> Result<Self> {
+        let acc = Accelerator::new(args.accelerator_config()?)?;
+        let checkpoint = Some(checkpoint.as_ref());
+        Self::build(acc, args, checkpoint, build, train_dataset, eval_dataset)
+    }
+
+    fn build(
         mut acc: Accelerator,
         args: TrainingArguments,
+        checkpoint: Option<&Path>,
         build: impl FnOnce(VarBuilder<'static>) -> Result<M>,
         train_dataset: D,
         eval_dataset: Option<D>,
     ) -> Result<Self> {
         args.validate()?;
         // Under FSDP the hooks on the model's blocks shard its one forward.
-        let (model, params) = acc.prepare(build)?;
+        let (model, params) = match checkpoint {
+            Some(checkpoint) => acc.prepare_pretrained(checkpoint, build)?,
+            None => acc.prepare(build)?,
+        };
         let opt = acc.prepare_optimizer(
             &params,
             AdamW::new(AdamWConfig {
