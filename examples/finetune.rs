@@ -259,11 +259,11 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
     let probe = accel_core::models::AutoModel::empty(dir, DType::F32)?;
     args.fsdp_config.transformer_layer_cls_to_wrap = vec![probe.layer_class().into()];
     drop(probe);
-    let trainer = Trainer::new(args, |vb| HfLm::new(&cfg, vb), train, Some(eval))?
-        .with_compute_metrics(accuracy);
-    // Pretrained weights into the fp32 masters and compute copies (or the
+    // Pretrained weights as the fp32 masters and compute copies (or the
     // FSDP shards); a --resume then continues from its checkpoint instead.
-    trainer.parameters().load_checkpoint(dir)?;
+    let build = |vb| HfLm::new(&cfg, vb);
+    let trainer = Trainer::from_pretrained(args, dir, build, train, Some(eval))?
+        .with_compute_metrics(accuracy);
     finish(trainer, cli, &format!("{} on {source}", dir.display()))
 }
 

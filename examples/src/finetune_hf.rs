@@ -5,7 +5,7 @@
 //! The model is built with [`Accelerator::prepare`], so one program runs
 //! plain, data-parallel under `accel launch` or sharded under a config file
 //! with `distributed_type: FSDP`, and starts from the folder's weights in
-//! every precision ([`PreparedModel::load_checkpoint`]). The batch is split
+//! every precision ([`Accelerator::prepare_pretrained`]). The batch is split
 //! across the ranks as Accelerate's `split_batches` does, and the loss each
 //! step prints is that of the whole batch, so every way of running prints
 //! the same numbers.
@@ -133,21 +133,28 @@ fn build(cfg: &ModelConfig, vb: candle_nn::VarBuilder) -> accel_core::Result<Aut
     Ok(AutoModel::new(cfg, vb)?)
 }
 
-/// Builds the model as the run trains (plain, DDP or FSDP) and returns it
-/// with its parameters and the `sharding` value of the setup line.
+/// Builds the model as the run trains (plain, DDP or FSDP), its parameters
+/// starting from the folder's weights, and returns it with its parameters
+/// and the `sharding` value of the setup line.
 fn prepare_model(
     acc: &mut Accelerator,
     cfg: &ModelConfig,
+    dir: &Path,
 ) -> Result<(AutoModel, PreparedModel, Value)> {
+    let loading = || format!("loading the weights of {}", dir.display());
     if acc.config().fsdp.is_some() {
-        let (model, fsdp) = acc.prepare_fsdp_model(|vb| build(cfg, vb))?;
+        let (model, fsdp) = acc
+            .prepare_fsdp_pretrained(dir, |vb| build(cfg, vb))
+            .with_context(loading)?;
         let sharding = json!({
             "strategy": fsdp.strategy().name(),
             "units": fsdp.unit_names().len(),
         });
         return Ok((model, fsdp.params().clone(), sharding));
     }
-    let (model, params) = acc.prepare(|vb| build(cfg, vb))?;
+    let (model, params) = acc
+        .prepare_pretrained(dir, |vb| build(cfg, vb))
+        .with_context(loading)?;
     Ok((model, params, Value::Null))
 }
 
@@ -166,10 +173,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
         ..Default::default()
     };
     let mut acc = Accelerator::new(config)?;
-    let (model, params, sharding) = prepare_model(&mut acc, &cfg)?;
-    params
-        .load_checkpoint(&args.model)
-        .with_context(|| format!("loading the weights of {}", args.model.display()))?;
+    let (model, params, sharding) = prepare_model(&mut acc, &cfg, &args.model)?;
     let mut opt = acc.prepare_optimizer(
         &params,
         AdamW::new(AdamWConfig {

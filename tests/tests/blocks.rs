@@ -1,5 +1,6 @@
 //! One model struct, every way of running it: pretrained weights loaded in
-//! every precision and under FSDP, writes behind the Accelerator's back taken
+//! every precision and under FSDP (after building, or instead of the random
+//! draw), writes behind the Accelerator's back taken
 //! up, and the example GPT dispatched with half its blocks on disk.
 
 use std::collections::HashMap;
@@ -128,6 +129,101 @@ fn pretrained_weights_reach_masters_and_compute_copies_in_every_precision_and_un
     fsdp.params().load_checkpoint(dir.path()).unwrap();
     let loss = gpt.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap();
     assert_eq!(loss.to_bits(), fp32_loss.to_bits());
+}
+
+#[test]
+fn prepare_pretrained_starts_where_prepare_then_load_checkpoint_ends() {
+    let (dir, fp32_loss, file) = pretrained();
+    let (x, y) = batch();
+    let weights = |m: &Gpt| -> HashMap<String, Vec<u32>> {
+        m.named_tensors()
+            .into_iter()
+            .map(|(n, t)| (n, bits(&t)))
+            .collect()
+    };
+    for precision in [PrecisionType::No, PrecisionType::Bf16, PrecisionType::Fp16] {
+        let config = AcceleratorConfig::default()
+            .with_seed(5)
+            .with_mixed_precision(precision);
+        let mut acc = Accelerator::new(config.clone()).unwrap();
+        let (loaded, loaded_params) = acc.prepare(|vb| Gpt::new(cfg(), vb)).unwrap();
+        loaded_params.load_checkpoint(dir.path()).unwrap();
+        let mut acc = Accelerator::new(config).unwrap();
+        let (gpt, params) = acc
+            .prepare_pretrained(dir.path(), |vb| Gpt::new(cfg(), vb))
+            .unwrap();
+        assert_eq!(
+            params.len(),
+            file.len(),
+            "{precision:?}: one parameter per tensor"
+        );
+        for (name, master) in params.master_weights() {
+            assert!(
+                bits(&master) == bits(&file[&name]),
+                "{precision:?} master {name}"
+            );
+        }
+        assert!(
+            weights(&gpt) == weights(&loaded),
+            "{precision:?}: compute copies differ from prepare + load_checkpoint"
+        );
+        let (a, b) = (gpt.loss(&x, &y).unwrap(), loaded.loss(&x, &y).unwrap());
+        assert_eq!(bits(&a), bits(&b), "{precision:?} loss");
+    }
+    let plugin = FullyShardedDataParallelPlugin::new(ShardingStrategy::FullShard)
+        .with_auto_wrap_policy(AutoWrapPolicy::Transformer {
+            patterns: vec!["GPT2Block".into()],
+        });
+    let mut acc =
+        Accelerator::new(AcceleratorConfig::default().with_seed(5).with_fsdp(plugin)).unwrap();
+    let (gpt, fsdp) = acc
+        .prepare_fsdp_pretrained(dir.path(), |vb| Gpt::new(cfg(), vb))
+        .unwrap();
+    assert_eq!(fsdp.unit_names(), ["h.0", "h.1", "h.2", "h.3"]);
+    let loss = gpt.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(loss.to_bits(), fp32_loss.to_bits());
+}
+
+#[test]
+fn prepare_pretrained_names_a_missing_or_misshapen_tensor_and_its_file() {
+    let (_dir, _, file) = pretrained();
+    let build = |vb| Gpt::new(cfg(), vb);
+    let name = "h.1.mlp.c_fc.weight";
+    assert!(
+        file.contains_key(name),
+        "the GPT names its weights {:?}",
+        file.keys()
+    );
+    // The tensor missing from the checkpoint.
+    let missing = tempfile::tempdir().unwrap();
+    let mut tensors = file.clone();
+    tensors.remove(name);
+    candle_core::safetensors::save(&tensors, missing.path().join("model.safetensors")).unwrap();
+    let mut acc = Accelerator::new(AcceleratorConfig::default()).unwrap();
+    let err = format!(
+        "{:#}",
+        acc.prepare_pretrained(missing.path(), build).unwrap_err()
+    );
+    assert!(
+        err.contains(name) && err.contains(&missing.path().display().to_string()),
+        "{err}"
+    );
+    // The tensor in another shape.
+    let bad = tempfile::tempdir().unwrap();
+    let mut tensors = file.clone();
+    let w = &file[name];
+    tensors.insert(name.into(), w.flatten_all().unwrap());
+    let path = bad.path().join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    let mut acc = Accelerator::new(AcceleratorConfig::default()).unwrap();
+    let err = format!(
+        "{:#}",
+        acc.prepare_pretrained(bad.path(), build).unwrap_err()
+    );
+    assert!(
+        err.contains(name) && err.contains(&path.display().to_string()) && err.contains("shape"),
+        "{err}"
+    );
 }
 
 #[test]

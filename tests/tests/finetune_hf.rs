@@ -291,9 +291,9 @@ fn bert_and_bad_data_files_are_refused_with_the_file_named() {
     }
 }
 
-/// An HF folder as the Trainer's model (`HfLm`): after `load_checkpoint`
-/// its evaluation loss on the reference ids is transformers', and a few
-/// steps of training lower it.
+/// An HF folder as the Trainer's model (`HfLm`): after `load_checkpoint`,
+/// or built by `Trainer::from_pretrained`, its evaluation loss on the
+/// reference ids is transformers', and a few steps of training lower it.
 #[test]
 fn the_trainer_fine_tunes_an_hf_folder_from_its_weights() {
     use accel_core::data::TensorDataset;
@@ -303,14 +303,15 @@ fn the_trainer_fine_tunes_an_hf_folder_from_its_weights() {
     use candle_core::{Device, Tensor};
 
     let tmp = tempfile::tempdir().unwrap();
-    for name in ["llama", "gpt2"] {
+    for (name, from_pretrained) in [("llama", false), ("gpt2", false), ("llama", true)] {
         let dir = fixture(name);
         let r = reference(name);
         let rows: Vec<Vec<u32>> = serde_json::from_value(r["input_ids"].clone()).unwrap();
         let ids =
             Tensor::from_vec(rows.concat(), (rows.len(), rows[0].len()), &Device::Cpu).unwrap();
         let data = || TensorDataset::new(vec![ids.clone()]).unwrap();
-        let mut args = TrainingArguments::new(tmp.path().join(name))
+        let out = tmp.path().join(format!("{name}-{from_pretrained}"));
+        let mut args = TrainingArguments::new(out)
             .with_max_steps(5)
             .with_batch_size(2)
             .with_learning_rate(1e-2);
@@ -319,14 +320,19 @@ fn the_trainer_fine_tunes_an_hf_folder_from_its_weights() {
         args.report_to = vec![];
         args.weight_decay = 0.0;
         let cfg = ModelConfig::from_path(&dir).unwrap();
-        let mut trainer =
-            Trainer::new(args, |vb| HfLm::new(&cfg, vb), data(), Some(data())).unwrap();
-        trainer.parameters().load_checkpoint(&dir).unwrap();
+        let build = |vb| HfLm::new(&cfg, vb);
+        let mut trainer = if from_pretrained {
+            Trainer::from_pretrained(args, &dir, build, data(), Some(data())).unwrap()
+        } else {
+            let trainer = Trainer::new(args, build, data(), Some(data())).unwrap();
+            trainer.parameters().load_checkpoint(&dir).unwrap();
+            trainer
+        };
         let before = trainer.evaluate().unwrap()["eval_loss"];
         let want = r["loss"].as_f64().unwrap();
         assert!(
             (before - want).abs() < 1e-4,
-            "{name}: {before} vs transformers' {want}"
+            "{name} (from_pretrained {from_pretrained}): {before} vs transformers' {want}"
         );
         trainer.train().unwrap();
         let after = trainer.evaluate().unwrap()["eval_loss"];
