@@ -9,13 +9,13 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 pub(crate) use super::act::Act;
 use super::act::{copy_backward, forward_new};
 use super::raw::{gemm, gemm_new, par, MatRef};
-use super::skinny;
 use super::{as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32, CHUNK};
+use super::{gemm_bf16, skinny};
 
 /// The op; it keeps the pre-activation for the backward pass of smooth
 /// activations (ReLU's derivative is read off the output instead).
@@ -51,6 +51,7 @@ impl LinearOp {
         if w_in != inp {
             bail!("linear: x is [{n}, {inp}] but w is [{out}, {w_in}]")
         }
+        let bf16 = bf16_products(x.0.dtype(), w.0.dtype());
         let xs = as_f32(x.0, x.1)?;
         let ws = as_f32(w.0, w.1)?;
         let (x_rows, w_t) = (MatRef::rows(&xs, 0, inp), MatRef::rows_t(&ws, 0, inp));
@@ -58,6 +59,19 @@ impl LinearOp {
             // Few rows (inference): dot products on `w` as it lies, see `skinny`.
             _ if n <= skinny::MAX_ROWS => {
                 let mut y = skinny::x_wt(&xs, &ws, n, inp, out);
+                if let Some(b) = b {
+                    let bs = as_f32(b.0, b.1)?;
+                    if bs.len() != out {
+                        bail!("linear: bias has {} entries, expected {out}", bs.len())
+                    }
+                    par::chunks_mut(&mut y, out, |_, row| {
+                        row.iter_mut().zip(bs.iter()).for_each(|(v, b)| *v += b)
+                    });
+                }
+                y
+            }
+            b if bf16 => {
+                let mut y = gemm_bf16::gemm_new_bf16((n, out, inp), x_rows, w_t);
                 if let Some(b) = b {
                     let bs = as_f32(b.0, b.1)?;
                     if bs.len() != out {
@@ -141,14 +155,15 @@ impl LinearOp {
                 }
             };
             let dh_rows = MatRef::rows(dh, 0, out);
+            let bf16 = bf16_products(x.dtype(), w.dtype());
             let dx = if x.track_op() {
                 // dx [n, in] = dh [n, out] @ w [out, in]
                 let dx = with_f32(w, |ws| {
-                    Ok(gemm_new(
+                    Ok(product(
+                        bf16,
                         (n, inp, out),
                         dh_rows,
                         MatRef::rows(ws, 0, inp),
-                        true,
                     ))
                 })?;
                 Some(tensor_from_f32(dx, (n, inp), x.dtype())?)
@@ -159,12 +174,7 @@ impl LinearOp {
                 // dw [out, in] = dh^T [out, n] @ x [n, in]
                 let dh_t = MatRef::rows_t(dh, 0, out);
                 let dw = with_f32(x, |xs| {
-                    Ok(gemm_new(
-                        (out, inp, n),
-                        dh_t,
-                        MatRef::rows(xs, 0, inp),
-                        true,
-                    ))
+                    Ok(product(bf16, (out, inp, n), dh_t, MatRef::rows(xs, 0, inp)))
                 })?;
                 Some(tensor_from_f32(dw, (out, inp), w.dtype())?)
             } else {
@@ -177,6 +187,24 @@ impl LinearOp {
             };
             Ok((dx, dw, db))
         })
+    }
+}
+
+/// Whether the products of an op on tensors of these dtypes take bf16
+/// operands with f32 sums ([`gemm_bf16`]): both bf16, on a CPU that has the
+/// instructions. The operands are bf16 values already, so only the order of
+/// the f32 sums differs from the f32 gemm (and the gradient before the
+/// product, rounded to bf16 as autocast's bf16 backward has it).
+fn bf16_products(x: DType, w: DType) -> bool {
+    x == DType::BF16 && w == DType::BF16 && gemm_bf16::available()
+}
+
+/// `a @ b` as a new buffer, with bf16 products when `bf16`.
+fn product(bf16: bool, dims: (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32> {
+    if bf16 {
+        gemm_bf16::gemm_new_bf16(dims, a, b)
+    } else {
+        gemm_new(dims, a, b, true)
     }
 }
 

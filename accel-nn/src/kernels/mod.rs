@@ -28,6 +28,7 @@ mod raw;
 mod act;
 mod attention;
 mod attention_packed;
+mod gemm_bf16;
 mod linear;
 mod loss;
 mod math;

@@ -39,8 +39,26 @@ impl<'a> MatRef<'a> {
         }
     }
 
+    /// Element `(i, j)` (a panic when out of bounds).
+    #[inline(always)]
+    pub(crate) fn at(&self, i: usize, j: usize) -> f32 {
+        self.data[self.off + i * self.rs + j * self.cs]
+    }
+
+    /// `len` elements from `(i, j)` along a row when `along_row`, else
+    /// along a column, as a slice when that direction has unit stride.
+    pub(crate) fn line(
+        &self,
+        (i, j): (usize, usize),
+        len: usize,
+        along_row: bool,
+    ) -> Option<&'a [f32]> {
+        let unit = if along_row { self.cs } else { self.rs };
+        (unit == 1).then(|| &self.data[self.off + i * self.rs + j * self.cs..][..len])
+    }
+
     /// Panics unless every element of a `rows x cols` matrix is in bounds.
-    fn check(&self, rows: usize, cols: usize, what: &str) {
+    pub(crate) fn check(&self, rows: usize, cols: usize, what: &str) {
         if rows == 0 || cols == 0 {
             return;
         }
@@ -228,6 +246,130 @@ pub(crate) fn prefetch(p: *const f32) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
+}
+
+/// Rows of the bf16 microkernel's tile.
+pub(crate) const BF16_MR: usize = 14;
+/// Columns of the bf16 microkernel's tile (two AVX-512 vectors).
+pub(crate) const BF16_NR: usize = 32;
+
+/// Whether this CPU runs [`bf16_tile`] (AVX-512 with its BF16 extension:
+/// AMD Zen 4 and later, Intel Cooper Lake and Sapphire Rapids and later).
+pub(crate) fn bf16_tile_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVAILABLE.get_or_init(|| {
+            std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bf16")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// One tile of a bf16 matrix product with f32 sums:
+/// `c[r * ldc + j] (+)= sum_p a[p][r] . b[p][j]` for `r < rows`, `j < cols`,
+/// over `pairs` steps `p`, where each `u32` of the packed panels holds two
+/// bf16 values (consecutive `k`, the lower one first), `a` as
+/// `[pairs][BF16_MR]` and `b` as `[pairs][BF16_NR]`. `accumulate` adds to
+/// what `c` holds, else overwrites it.
+///
+/// # Panics
+/// When the CPU lacks AVX-512 BF16 (see [`bf16_tile_available`]), or a
+/// panel or the tile of `c` is out of its slice.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bf16_tile(
+    pairs: usize,
+    a: &[u32],
+    b: &[u32],
+    c: &mut [f32],
+    ldc: usize,
+    (rows, cols): (usize, usize),
+    accumulate: bool,
+) {
+    assert!(
+        bf16_tile_available(),
+        "bf16_tile: this CPU lacks AVX-512 BF16"
+    );
+    assert!(rows <= BF16_MR && cols <= BF16_NR && cols <= ldc.max(cols));
+    assert!(
+        a.len() >= pairs * BF16_MR && b.len() >= pairs * BF16_NR,
+        "bf16_tile: short panel"
+    );
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    assert!(
+        (rows - 1) * ldc + cols <= c.len(),
+        "bf16_tile: a {rows} x {cols} tile with row stride {ldc} overruns {}",
+        c.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has AVX-512F and AVX512-BF16 (asserted above); the
+    // kernel reads `pairs * BF16_MR` u32 of `a` and `pairs * BF16_NR` of
+    // `b` (both checked) and touches `c[r * ldc + j]` for `r < rows`,
+    // `j < cols` only (masked loads and stores; checked above).
+    unsafe {
+        bf16_tile_avx512(
+            pairs,
+            a.as_ptr(),
+            b.as_ptr(),
+            c.as_mut_ptr(),
+            ldc,
+            (rows, cols),
+            accumulate,
+        )
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn bf16_tile_avx512(
+    pairs: usize,
+    a: *const u32,
+    b: *const u32,
+    c: *mut f32,
+    ldc: usize,
+    (rows, cols): (usize, usize),
+    accumulate: bool,
+) {
+    use core::arch::x86_64::*;
+    let lo = if cols >= 16 {
+        0xffff
+    } else {
+        (1u32 << cols) - 1
+    } as __mmask16;
+    let hi = if cols >= 32 {
+        0xffff
+    } else if cols > 16 {
+        (1u32 << (cols - 16)) - 1
+    } else {
+        0
+    } as __mmask16;
+    let mut acc = [[_mm512_setzero_ps(); 2]; BF16_MR];
+    if accumulate {
+        for (r, acc) in acc.iter_mut().enumerate().take(rows) {
+            let row = c.add(r * ldc);
+            acc[0] = _mm512_maskz_loadu_ps(lo, row);
+            acc[1] = _mm512_maskz_loadu_ps(hi, row.add(16));
+        }
+    }
+    for p in 0..pairs {
+        let b0: __m512bh = core::mem::transmute(_mm512_loadu_si512(b.add(p * BF16_NR).cast()));
+        let b1: __m512bh = core::mem::transmute(_mm512_loadu_si512(b.add(p * BF16_NR + 16).cast()));
+        let ap = a.add(p * BF16_MR);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let x: __m512bh = core::mem::transmute(_mm512_set1_epi32(*ap.add(r) as i32));
+            acc[0] = _mm512_dpbf16_ps(acc[0], x, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], x, b1);
+        }
+    }
+    for (r, acc) in acc.iter().enumerate().take(rows) {
+        let row = c.add(r * ldc);
+        _mm512_mask_storeu_ps(row, lo, acc[0]);
+        _mm512_mask_storeu_ps(row.add(16), hi, acc[1]);
+    }
 }
 
 /// Below this many flops a gemm runs on the calling thread.

@@ -10,8 +10,10 @@ use crate::kernels::{self, Act};
 /// weight `[out, in]`, bias `[out]`, result `[.., out]`.
 ///
 /// On CPU this is one op (gemm with the bias fused in, activation and its
-/// backward in the same pass) and bf16 is computed in f32, since candle's
-/// CPU gemm has no bf16 kernel.
+/// backward in the same pass). In bf16 its products take the bf16 operands
+/// with f32 sums on CPUs with AVX-512 BF16 (`kernels/gemm_bf16.rs`; twice
+/// the f32 rate), else they are computed in f32, since candle's CPU gemm has
+/// no bf16 kernel.
 pub fn linear(
     x: &Tensor,
     w: &Tensor,
@@ -98,6 +100,48 @@ mod tests {
             &|xs| linear(&xs[0], &xs[1], None, None),
             &|xs| xs[0].matmul(&xs[1].t()?),
         )
+    }
+
+    #[test]
+    fn bf16_linear_matches_f32_on_the_same_values_forward_and_backward() -> Result<()> {
+        // 300 rows: past the skinny forward, so every product is a gemm
+        // (bf16 products where the CPU has them). The f32 reference runs the
+        // composed ops on the very same bf16 values.
+        let bf = |shape: &[usize], seed| -> Result<candle_core::Var> {
+            candle_core::Var::from_tensor(&randn(shape, seed, 1.0)?.to_dtype(DType::BF16)?)
+        };
+        let (x, w, b) = (bf(&[300, 70], 1)?, bf(&[90, 70], 2)?, bf(&[90], 3)?);
+        let up = |v: &candle_core::Var| -> Result<candle_core::Var> {
+            candle_core::Var::from_tensor(&v.to_dtype(DType::F32)?)
+        };
+        let (x32, w32, b32) = (up(&x)?, up(&w)?, up(&b)?);
+        let g = randn(&[300, 90], 4, 1.0)?;
+        let y = linear(&x, &w, Some(&b), Some(Activation::Silu))?;
+        let y32 = composed_linear(&x32, &w32, Some(&b32), Some(Activation::Silu))?;
+        let grads = (y.to_dtype(DType::F32)? * &g)?.sum_all()?.backward()?;
+        let grads32 = (&y32 * &g)?.sum_all()?.backward()?;
+        let close = |a: &Tensor, want: &Tensor, what: &str| -> Result<()> {
+            let a = a.to_dtype(DType::F32)?;
+            let err = (&a - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let scale = want.abs()?.max_all()?.to_scalar::<f32>()?;
+            // bf16 results: 8 bits of mantissa, plus the gradient rounded to
+            // bf16 before its products.
+            assert!(
+                err <= 1.6e-2 * scale,
+                "{what}: max error {err} at scale {scale}"
+            );
+            Ok(())
+        };
+        close(&y, &y32, "y")?;
+        for (v, v32, what) in [(&x, &x32, "dx"), (&w, &w32, "dw"), (&b, &b32, "db")] {
+            let (g, g32) = (
+                grads.get(v.as_tensor()).unwrap(),
+                grads32.get(v32.as_tensor()).unwrap(),
+            );
+            assert_eq!(g.dtype(), DType::BF16, "{what}");
+            close(g, g32, what)?;
+        }
+        Ok(())
     }
 
     #[test]
