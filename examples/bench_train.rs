@@ -401,10 +401,12 @@ impl TorchWorker {
         Ok(serde_json::from_str(&line)?)
     }
 
-    /// Steps/s of one timed round of `kind`.
-    fn round(&mut self, kind: Kind) -> Result<f64> {
+    /// Steps/s of one timed round of `kind`, its forward under bf16
+    /// autocast when `bf16`.
+    fn round(&mut self, kind: Kind, bf16: bool) -> Result<f64> {
         use std::io::Write;
-        writeln!(self.requests, "{}", kind.arg())?;
+        let precision = if bf16 { " bf16" } else { "" };
+        writeln!(self.requests, "{}{precision}", kind.arg())?;
         self.requests.flush()?;
         let reply = self.reply()?;
         reply["steps_per_s"]
@@ -455,12 +457,23 @@ fn bench(
     // rounds the Rust rows in reverse order and torch last, so torch only
     // ever borders itself and candle_nn, and the pair behind overhead_pct
     // (accel_nn, accelerator) takes turns going first.
+    // With bf16 mixed precision, torch runs a second instance of the
+    // workload under bf16 autocast beside its fp32 one, for the
+    // accelerator_mixed row to compare with.
+    let torch_bf16 = mixed == Some(PrecisionType::Bf16);
     let mut rates: Vec<Vec<f64>> = vec![vec![]; loops.len()];
-    let mut torch_rates = vec![];
+    let (mut torch_rates, mut torch_mixed_rates) = (vec![], vec![]);
+    let mut torch_round = |t: &mut TorchWorker| -> Result<()> {
+        torch_rates.push(t.round(kind, false)?);
+        if torch_bf16 {
+            torch_mixed_rates.push(t.round(kind, true)?);
+        }
+        Ok(())
+    };
     for round in 0..args.rounds {
         let forward = round % 2 == 0;
         if let (true, Some(t)) = (forward, torch.as_deref_mut()) {
-            torch_rates.push(t.round(kind)?);
+            torch_round(t)?;
         }
         let mut order: Vec<usize> = (0..loops.len()).collect();
         if !forward {
@@ -470,7 +483,7 @@ fn bench(
             rates[k].push(loops[k].1(steps)?);
         }
         if let (false, Some(t)) = (forward, torch.as_deref_mut()) {
-            torch_rates.push(t.round(kind)?);
+            torch_round(t)?;
         }
     }
     let mut obj = serde_json::Map::new();
@@ -493,6 +506,14 @@ fn bench(
         let vs = paired(row("accel_nn"), &torch_rates);
         obj.insert("torch_steps_per_s".into(), rounded(median(torch_rates)));
         obj.insert("accel_nn_vs_torch".into(), rounded(vs));
+    }
+    if !torch_mixed_rates.is_empty() {
+        let vs = paired(row("accelerator_mixed"), &torch_mixed_rates);
+        obj.insert(
+            "torch_mixed_steps_per_s".into(),
+            rounded(median(torch_mixed_rates)),
+        );
+        obj.insert("accelerator_mixed_vs_torch_mixed".into(), rounded(vs));
     }
     if let Some(p) = mixed {
         obj.insert("mixed_precision".into(), p.to_string().into());

@@ -18,6 +18,9 @@ alternate them with its own (machine noise then hits both sides alike): it
 prints `{"torch_version": ...}`, then for every line `mlp` or `gpt` on stdin
 runs one untimed step and one timed round of that workload (the first
 request also builds the model and runs two warm-up steps) and prints `{"steps_per_s": x}`.
+A line `mlp bf16` or `gpt bf16` does the same for another instance of the
+workload whose forward runs under `torch.autocast(dtype=torch.bfloat16)`
+(fp32 weights and optimizer, as accel-rs' bf16 mixed precision).
 """
 import argparse
 import json
@@ -108,6 +111,16 @@ def workload(kind, device):
     return model, lambda i: model.loss(toks[i % 4, :, :128], toks[i % 4, :, 1:]), 3 * scale
 
 
+def autocast(loss, device):
+    """`loss` with its forward under bf16 autocast."""
+
+    def run(i):
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            return loss(i)
+
+    return run
+
+
 def rate(model, loss, opt, start, n):
     t = time.perf_counter()
     for i in range(start, start + n):
@@ -124,20 +137,23 @@ def serve(device):
     print(json.dumps({"torch_version": torch.__version__}), flush=True)
     live = {}
     for line in sys.stdin:
-        kind = line.strip()
-        if kind not in ("mlp", "gpt"):
-            print(json.dumps({"error": f"unknown workload {kind!r}"}), flush=True)
+        key = line.strip()
+        kind, _, precision = key.partition(" ")
+        if kind not in ("mlp", "gpt") or precision not in ("", "bf16"):
+            print(json.dumps({"error": f"unknown request {key!r}"}), flush=True)
             continue
-        if kind not in live:
+        if key not in live:
             model, loss, steps = workload(kind, device)
+            if precision == "bf16":
+                loss = autocast(loss, device)
             opt = adamw(model)
             rate(model, loss, opt, 0, 2)
-            live[kind] = [model, loss, opt, steps, 2]
-        model, loss, opt, steps, start = live[kind]
+            live[key] = [model, loss, opt, steps, 2]
+        model, loss, opt, steps, start = live[key]
         # One untimed step first, as bench_train does for its own rows.
         rate(model, loss, opt, start, 1)
         r = rate(model, loss, opt, start + 1, steps)
-        live[kind][4] = start + 1 + steps
+        live[key][4] = start + 1 + steps
         print(json.dumps({"steps_per_s": r}), flush=True)
 
 
