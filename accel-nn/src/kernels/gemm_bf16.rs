@@ -17,7 +17,11 @@
 //! back exactly. Each output element is summed over `k` in one fixed order
 //! whatever the thread count, so results are reproducible.
 
-use super::raw::{bf16_tile, bf16_tile_available, par, MatRef, BF16_MR as MR, BF16_NR as NR};
+use candle_core::DType;
+
+use super::raw::{
+    bf16_tile, bf16_tile_available, gemm_new, par, MatRef, BF16_MR as MR, BF16_NR as NR,
+};
 
 /// Pairs of `k` per block: a packed panel of `b` (128 bytes a pair) is then
 /// 32 KiB, and a task's panels of `a` 56 bytes a pair per row.
@@ -29,6 +33,24 @@ const MC: usize = 4 * MR;
 /// Whether [`gemm_new_bf16`] can run on this CPU.
 pub(crate) fn available() -> bool {
     bf16_tile_available()
+}
+
+/// Whether the products of an op on tensors of these dtypes take bf16
+/// operands with f32 sums (this module): both bf16, on a CPU that has the
+/// instructions. The operands are bf16 values already, so only the order of
+/// the f32 sums differs from the f32 gemm (and the gradient before the
+/// product, rounded to bf16 as autocast's bf16 backward has it).
+pub(crate) fn bf16_products(x: DType, w: DType) -> bool {
+    x == DType::BF16 && w == DType::BF16 && available()
+}
+
+/// `a @ b` as a new buffer, with bf16 products when `bf16`.
+pub(crate) fn product(bf16: bool, dims: (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32> {
+    if bf16 {
+        gemm_new_bf16(dims, a, b)
+    } else {
+        gemm_new(dims, a, b, true)
+    }
 }
 
 /// `x` as bf16 bits, rounded to nearest even (a NaN stays a NaN).

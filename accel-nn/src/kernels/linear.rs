@@ -9,13 +9,14 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 pub(crate) use super::act::Act;
 use super::act::{copy_backward, forward_new};
+use super::gemm_bf16::{self, bf16_products, product};
 use super::raw::{gemm, gemm_new, par, MatRef};
+use super::skinny;
 use super::{as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32, CHUNK};
-use super::{gemm_bf16, skinny};
 
 /// The op; it keeps the pre-activation for the backward pass of smooth
 /// activations (ReLU's derivative is read off the output instead).
@@ -187,24 +188,6 @@ impl LinearOp {
             };
             Ok((dx, dw, db))
         })
-    }
-}
-
-/// Whether the products of an op on tensors of these dtypes take bf16
-/// operands with f32 sums ([`gemm_bf16`]): both bf16, on a CPU that has the
-/// instructions. The operands are bf16 values already, so only the order of
-/// the f32 sums differs from the f32 gemm (and the gradient before the
-/// product, rounded to bf16 as autocast's bf16 backward has it).
-fn bf16_products(x: DType, w: DType) -> bool {
-    x == DType::BF16 && w == DType::BF16 && gemm_bf16::available()
-}
-
-/// `a @ b` as a new buffer, with bf16 products when `bf16`.
-fn product(bf16: bool, dims: (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32> {
-    if bf16 {
-        gemm_bf16::gemm_new_bf16(dims, a, b)
-    } else {
-        gemm_new(dims, a, b, true)
     }
 }
 

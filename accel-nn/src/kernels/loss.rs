@@ -14,9 +14,11 @@
 
 use std::sync::Mutex;
 
+use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::raw::{gemm_new, par, MatRef};
+use super::gemm_bf16::{bf16_products, product};
+use super::raw::{par, MatRef};
 use super::{as_f32, math, rows_per_reduction, rows_per_task, tensor_from_f32, with_f32};
 
 /// Marks a row whose target is ignored.
@@ -162,13 +164,13 @@ struct LinearCrossEntropy {
     state: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
 }
 
-/// `x [n, d] @ w [c, d]^T` in f32.
-fn logits(x: &[f32], w: &[f32], n: usize, d: usize, c: usize) -> Vec<f32> {
-    gemm_new(
+/// `x [n, d] @ w [c, d]^T` in f32, with bf16 products when `bf16`.
+fn logits(bf16: bool, x: &[f32], w: &[f32], n: usize, d: usize, c: usize) -> Vec<f32> {
+    product(
+        bf16,
         (n, c, d),
         MatRef::rows(x, 0, d),
         MatRef::rows_t(w, 0, d),
-        true,
     )
 }
 
@@ -192,7 +194,8 @@ impl CustomOp3 for LinearCrossEntropy {
             bail!("linear_cross_entropy: x is [{n}, {d}] but w is [{c}, {wd}]")
         }
         let targets = targets_of(s3, l3, n, c)?;
-        let logits = logits(&as_f32(s1, l1)?, &as_f32(s2, l2)?, n, d, c);
+        let bf16 = bf16_products(s1.dtype(), s2.dtype());
+        let logits = logits(bf16, &as_f32(s1, l1)?, &as_f32(s2, l2)?, n, d, c);
         let (lse, loss) = lse_and_loss(&logits, targets, c);
         *self.state.lock().unwrap() = Some((logits, lse));
         Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
@@ -211,10 +214,11 @@ impl CustomOp3 for LinearCrossEntropy {
         let targets = targets.to_vec1::<u32>()?;
         let scale = mean_grad(grad, &targets)?;
         let state = self.state.lock().unwrap().take();
+        let bf16 = bf16_products(x.dtype(), w.dtype());
         let (mut dl, lse) = match state {
             Some(s) => s,
             None => {
-                let l = with_f32(x, |xs| with_f32(w, |ws| Ok(logits(xs, ws, n, d, c))))?;
+                let l = with_f32(x, |xs| with_f32(w, |ws| Ok(logits(bf16, xs, ws, n, d, c))))?;
                 let (lse, _) = lse_and_loss(&l, &targets, c);
                 (l, lse)
             }
@@ -224,13 +228,13 @@ impl CustomOp3 for LinearCrossEntropy {
             with_f32(w, |ws| {
                 let dx = if x.track_op() {
                     let dl_rows = MatRef::rows(&dl, 0, c);
-                    Some(gemm_new((n, d, c), dl_rows, MatRef::rows(ws, 0, d), true))
+                    Some(product(bf16, (n, d, c), dl_rows, MatRef::rows(ws, 0, d)))
                 } else {
                     None
                 };
                 let dw = if w.track_op() {
                     let dl_t = MatRef::rows_t(&dl, 0, c);
-                    Some(gemm_new((c, d, n), dl_t, MatRef::rows(xs, 0, d), true))
+                    Some(product(bf16, (c, d, n), dl_t, MatRef::rows(xs, 0, d)))
                 } else {
                     None
                 };

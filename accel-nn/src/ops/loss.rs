@@ -173,6 +173,36 @@ mod tests {
     }
 
     #[test]
+    fn bf16_linear_cross_entropy_matches_f32_on_the_same_values() -> Result<()> {
+        // bf16 products where the CPU has them; the reference is the
+        // composed f32 loss on the very same values.
+        let bf = |shape: &[usize], seed| -> Result<candle_core::Var> {
+            candle_core::Var::from_tensor(&randn(shape, seed, 1.0)?.to_dtype(DType::BF16)?)
+        };
+        let (x, w) = (bf(&[300, 70], 11)?, bf(&[90, 70], 12)?);
+        let up = |v: &candle_core::Var| -> Result<candle_core::Var> {
+            candle_core::Var::from_tensor(&v.to_dtype(DType::F32)?)
+        };
+        let (x32, w32) = (up(&x)?, up(&w)?);
+        let t: Vec<u32> = (0..300u32).map(|i| (i * 7) % 90).collect();
+        let t = Tensor::new(t.as_slice(), &Device::Cpu)?;
+        let loss = linear_cross_entropy(&x, &w, &t)?;
+        let loss32 = composed_linear_cross_entropy(&x32, &w32, &t)?;
+        let (a, b) = (loss.to_scalar::<f32>()?, loss32.to_scalar::<f32>()?);
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "loss {a} vs {b}");
+        let (grads, grads32) = (loss.backward()?, loss32.backward()?);
+        for (v, v32) in [(&x, &x32), (&w, &w32)] {
+            let g = grads.get(v.as_tensor()).unwrap().to_dtype(DType::F32)?;
+            let e = grads32.get(v32.as_tensor()).unwrap();
+            let err = (&g - e)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let scale = e.abs()?.max_all()?.to_scalar::<f32>()?;
+            // A bf16 gradient, from the logits' gradient rounded to bf16.
+            assert!(err <= 1.6e-2 * scale, "max error {err} at scale {scale}");
+        }
+        Ok(())
+    }
+
+    #[test]
     fn linear_cross_entropy_supports_a_second_backward() -> Result<()> {
         let (x, w) = (
             candle_core::Var::from_tensor(&randn(&[9, 8], 8, 1.0)?)?,
