@@ -267,7 +267,8 @@ fn main() -> Result<()> {
     let devices = names
         .iter()
         .map(|n| accel_examples::device_named(n))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>>>()
+        .map_err(|e| anyhow::anyhow!("{e} (profile_gpt also takes cuda-both)"))?;
     let dev = devices[0].clone();
 
     if args.only.as_deref() != Some("mlp") {

@@ -210,7 +210,9 @@ mod tests {
     #[test]
     fn products_match_the_f32_gemm_on_bf16_values_in_every_layout() {
         if !available() {
-            eprintln!("skipped: this CPU lacks AVX-512 BF16");
+            // Nothing to multiply here; the ops must then keep to the f32
+            // gemm (their own tests check the results).
+            assert!(!bf16_products(DType::BF16, DType::BF16));
             return;
         }
         // Ragged shapes: rows past a task and a tile, columns past a panel,
