@@ -107,6 +107,19 @@ pub(crate) fn gemm_new_bf16((m, n, k): (usize, usize, usize), a: MatRef, b: MatR
     c
 }
 
+/// Consecutive values as pairs: `out[p] = pair(v[2p], v[2p + 1])`, zero
+/// past the end of an odd `v`.
+fn to_pairs(v: &[f32], out: &mut [u32]) {
+    let whole = v.chunks_exact(2);
+    let odd = whole.remainder().first().copied();
+    for (o, two) in out.iter_mut().zip(whole) {
+        *o = pair(two[0], two[1]);
+    }
+    if let Some(x) = odd {
+        out[v.len() / 2] = pair(x, 0.0);
+    }
+}
+
 /// Rows `k0..k0 + kc` of `b` as panels of `NR` columns, each `[pairs][NR]`
 /// (zeros past `n` and past an odd `kc`).
 fn pack_b(b: &MatRef, (k0, kc): (usize, usize), n: usize) -> Vec<u32> {
@@ -115,6 +128,21 @@ fn pack_b(b: &MatRef, (k0, kc): (usize, usize), n: usize) -> Vec<u32> {
     par::chunks_mut(&mut out, pairs * NR, |q, panel| {
         let j0 = q * NR;
         let cols = NR.min(n - j0);
+        if b.line((k0, j0), kc, false).is_some() {
+            // Columns of `b` are contiguous along `k` (a weight `[out, in]`
+            // read as its transpose): each column's pairs lie in place.
+            // Converted into a contiguous buffer first (a loop that
+            // vectorises), then spread into the panel's column.
+            let mut col_pairs = vec![0u32; pairs];
+            for j in 0..cols {
+                let col = b.line((k0, j0 + j), kc, false).expect("same strides");
+                to_pairs(col, &mut col_pairs);
+                for (dst, &v) in panel[j..].iter_mut().step_by(NR).zip(&col_pairs) {
+                    *dst = v;
+                }
+            }
+            return;
+        }
         for p in 0..pairs {
             let k = k0 + 2 * p;
             let second = 2 * p + 1 < kc;
@@ -144,6 +172,7 @@ fn pack_b(b: &MatRef, (k0, kc): (usize, usize), n: usize) -> Vec<u32> {
 fn pack_a(a: &MatRef, i0: usize, rows: usize, (k0, kc): (usize, usize)) -> Vec<u32> {
     let pairs = kc.div_ceil(2);
     let mut out = vec![0u32; rows.div_ceil(MR) * pairs * MR];
+    let mut row_pairs = vec![0u32; pairs];
     for (s, panel) in out.chunks_mut(pairs * MR).enumerate() {
         let r0 = i0 + s * MR;
         let height = MR.min(i0 + rows - r0);
@@ -151,8 +180,9 @@ fn pack_a(a: &MatRef, i0: usize, rows: usize, (k0, kc): (usize, usize)) -> Vec<u
             match a.line((r0 + r, k0), kc, true) {
                 // Rows of `a` are contiguous along `k`: pairs in place.
                 Some(row) => {
-                    for (p, two) in row.chunks(2).enumerate() {
-                        panel[p * MR + r] = pair(two[0], two.get(1).copied().unwrap_or(0.0));
+                    to_pairs(row, &mut row_pairs);
+                    for (dst, &v) in panel[r..].iter_mut().step_by(MR).zip(&row_pairs) {
+                        *dst = v;
                     }
                 }
                 None => {
