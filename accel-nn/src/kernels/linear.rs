@@ -18,6 +18,20 @@ use super::raw::{gemm, gemm_new, par, MatRef};
 use super::skinny;
 use super::{as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32, CHUNK};
 
+/// `y [n, out]` with the bias, when given, added to every row.
+fn plus_bias(mut y: Vec<f32>, b: Option<(&CpuStorage, &Layout)>, out: usize) -> Result<Vec<f32>> {
+    if let Some(b) = b {
+        let bs = as_f32(b.0, b.1)?;
+        if bs.len() != out {
+            bail!("linear: bias has {} entries, expected {out}", bs.len())
+        }
+        par::chunks_mut(&mut y, out, |_, row| {
+            row.iter_mut().zip(bs.iter()).for_each(|(v, b)| *v += b)
+        });
+    }
+    Ok(y)
+}
+
 /// Up to this many rows, a bf16 forward takes the f32 skinny kernel rather
 /// than bf16 products.
 const BF16_SKINNY_MAX_ROWS: usize = 128;
@@ -60,43 +74,18 @@ impl LinearOp {
         let xs = as_f32(x.0, x.1)?;
         let ws = as_f32(w.0, w.1)?;
         let (x_rows, w_t) = (MatRef::rows(&xs, 0, inp), MatRef::rows_t(&ws, 0, inp));
+        let skinny_rows = if bf16 {
+            BF16_SKINNY_MAX_ROWS
+        } else {
+            skinny::MAX_ROWS
+        };
         let mut y = match b {
             // Few rows (inference): dot products on `w` as it lies, see
             // `skinny`. bf16 products pack `w` on each call, which pays for
             // itself from about 128 rows (256 rows: 213-263 GFLOP/s against
             // the f32 skinny kernel's 162-202 on Llama shapes; 128: even).
-            _ if n
-                <= if bf16 {
-                    BF16_SKINNY_MAX_ROWS
-                } else {
-                    skinny::MAX_ROWS
-                } =>
-            {
-                let mut y = skinny::x_wt(&xs, &ws, n, inp, out);
-                if let Some(b) = b {
-                    let bs = as_f32(b.0, b.1)?;
-                    if bs.len() != out {
-                        bail!("linear: bias has {} entries, expected {out}", bs.len())
-                    }
-                    par::chunks_mut(&mut y, out, |_, row| {
-                        row.iter_mut().zip(bs.iter()).for_each(|(v, b)| *v += b)
-                    });
-                }
-                y
-            }
-            b if bf16 => {
-                let mut y = gemm_bf16::gemm_new_bf16((n, out, inp), x_rows, w_t);
-                if let Some(b) = b {
-                    let bs = as_f32(b.0, b.1)?;
-                    if bs.len() != out {
-                        bail!("linear: bias has {} entries, expected {out}", bs.len())
-                    }
-                    par::chunks_mut(&mut y, out, |_, row| {
-                        row.iter_mut().zip(bs.iter()).for_each(|(v, b)| *v += b)
-                    });
-                }
-                y
-            }
+            b if n <= skinny_rows => plus_bias(skinny::x_wt(&xs, &ws, n, inp, out), b, out)?,
+            b if bf16 => plus_bias(gemm_bf16::gemm_new_bf16((n, out, inp), x_rows, w_t), b, out)?,
             Some(b) => {
                 // Start every row from the bias and let gemm accumulate onto
                 // it, which fuses the bias add into the product.
