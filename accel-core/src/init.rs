@@ -10,7 +10,7 @@
 //!
 //! With a checkpoint to start from ([`SeededBackend::from`]), each value is
 //! read from it instead of drawn: a pretrained model never pays for a random
-//! draw it would overwrite (Box-Muller on one thread: seconds per billion
+//! draw it would overwrite (Box-Muller on one thread: about 30 s per billion
 //! parameters), as transformers' `from_pretrained` skips its init.
 
 use std::collections::{HashMap, HashSet};

@@ -43,7 +43,7 @@ impl Accelerator {
     /// tensor of its name in `checkpoint` (a Hugging Face folder, a
     /// `.safetensors` file or an index), in every precision and sharding:
     /// what `prepare` then [`PreparedModel::load_checkpoint`] give, without
-    /// first drawing random values (on one thread, seconds per billion
+    /// first drawing random values (on one thread, about 30 s per billion
     /// parameters) only to overwrite them. Like `from_pretrained`,
     /// checkpoint tensors the model does not use are ignored with a warning.
     ///
