@@ -292,7 +292,10 @@ pub(crate) fn bf16_tile(
         bf16_tile_available(),
         "bf16_tile: this CPU lacks AVX-512 BF16"
     );
-    assert!(rows <= BF16_MR && cols <= BF16_NR && cols <= ldc.max(cols));
+    assert!(
+        rows <= BF16_MR && cols <= BF16_NR && cols <= ldc,
+        "bf16_tile: a {rows} x {cols} tile (at most {BF16_MR} x {BF16_NR}) with row stride {ldc}"
+    );
     assert!(
         a.len() >= pairs * BF16_MR && b.len() >= pairs * BF16_NR,
         "bf16_tile: short panel"
