@@ -43,7 +43,11 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
     let (k, out) = s
         .split_once('x')
         .ok_or_else(|| anyhow::anyhow!("--shapes: {s:?} is not KxOUT"))?;
-    Ok((k.parse()?, out.parse()?))
+    let number = |v: &str| {
+        v.parse::<usize>()
+            .map_err(|e| anyhow::anyhow!("--shapes: {s:?}: {v:?} is not a size ({e})"))
+    };
+    Ok((number(k)?, number(out)?))
 }
 
 fn main() -> Result<()> {

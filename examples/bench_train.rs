@@ -53,7 +53,9 @@ struct Args {
     only: String,
     /// Adds an Accelerator row in this precision (no, bf16, fp16); without
     /// it, the launcher's `ACCELERATE_MIXED_PRECISION` decides (Accelerate's
-    /// precedence). The compared rows are always fp32.
+    /// precedence). The compared rows are always fp32; with bf16, torch also
+    /// runs the workload under bf16 autocast (`torch_mixed`), which has no
+    /// fp16 counterpart here (it would need a GradScaler).
     #[arg(long)]
     mixed_precision: Option<PrecisionType>,
     /// `cpu` (the figures in the README) or `cuda` (cuda:0, with a build
