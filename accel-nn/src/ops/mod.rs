@@ -80,6 +80,9 @@ fn upcast(t: &Tensor) -> Result<Tensor> {
 pub(crate) mod testing;
 
 #[cfg(test)]
+mod candle_nn_tests;
+
+#[cfg(test)]
 mod tests {
     //! The composed paths (what CUDA runs) in half precision: every one
     //! must accept f16/bf16, return the input dtype (losses f32) and give

@@ -17,6 +17,7 @@
 
 pub mod activation;
 pub mod attention;
+mod backward;
 pub mod batch_norm;
 pub mod conv;
 pub mod cpu_flash_attention;

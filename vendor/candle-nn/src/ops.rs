@@ -289,6 +289,11 @@ impl candle::CustomOp1 for SoftmaxLastDim {
         "softmax-last-dim"
     }
 
+    // accel-rs patch: the analytic backward (see `crate::backward`).
+    fn bwd(&self, _arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(crate::backward::softmax_last_dim(res, grad_res)?))
+    }
+
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         fn softmax<T: candle::WithDType + num_traits::Float>(
             src: &[T],
@@ -435,7 +440,7 @@ impl candle::CustomOp1 for SoftmaxLastDim {
 }
 
 pub fn softmax_last_dim(xs: &Tensor) -> Result<Tensor> {
-    xs.apply_op1_no_bwd(&SoftmaxLastDim)
+    xs.apply_op1(SoftmaxLastDim)
 }
 
 #[derive(Debug, Clone)]
@@ -446,6 +451,17 @@ struct RmsNorm {
 impl candle::CustomOp2 for RmsNorm {
     fn name(&self) -> &'static str {
         "rms-norm"
+    }
+
+    // accel-rs patch: the analytic backward (see `crate::backward`).
+    fn bwd(
+        &self,
+        xs: &Tensor,
+        alpha: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        crate::backward::rms_norm(xs, alpha, grad_res, self.eps)
     }
 
     fn cpu_fwd(
@@ -681,7 +697,7 @@ pub fn rms_norm(xs: &Tensor, alpha: &Tensor, eps: f32) -> Result<Tensor> {
             alpha.shape()
         )
     }
-    xs.apply_op2_no_bwd(alpha, &RmsNorm { eps })
+    xs.apply_op2(alpha, RmsNorm { eps })
 }
 
 #[derive(Debug, Clone)]
@@ -692,6 +708,18 @@ struct LayerNorm {
 impl candle::CustomOp3 for LayerNorm {
     fn name(&self) -> &'static str {
         "layer-norm"
+    }
+
+    // accel-rs patch: the analytic backward (see `crate::backward`).
+    fn bwd(
+        &self,
+        xs: &Tensor,
+        alpha: &Tensor,
+        beta: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        crate::backward::layer_norm(xs, alpha, beta, grad_res, self.eps)
     }
 
     fn cpu_fwd(
@@ -941,7 +969,7 @@ pub fn layer_norm(xs: &Tensor, alpha: &Tensor, beta: &Tensor, eps: f32) -> Resul
             beta.shape()
         )
     }
-    xs.apply_op3_no_bwd(alpha, beta, &LayerNorm { eps })
+    xs.apply_op3(alpha, beta, LayerNorm { eps })
 }
 
 // https://pytorch.org/docs/stable/generated/torch.nn.PixelShuffle.html
@@ -1314,10 +1342,13 @@ pub fn sdpa(
     scale: f32,
     softcapping: f32,
 ) -> Result<Tensor> {
-    q.apply_op3_no_bwd(
+    // accel-rs patch: recorded with no backward, so a backward through this
+    // inference kernel fails with `BackwardNotSupported` instead of silently
+    // leaving q, k and v without gradients.
+    q.apply_op3(
         k,
         v,
-        &Sdpa {
+        Sdpa {
             scale,
             softcapping,
             mask: mask.cloned(),

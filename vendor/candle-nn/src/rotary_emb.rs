@@ -16,6 +16,19 @@ impl candle::CustomOp3 for RotaryEmbI {
         "rotary-emb-int"
     }
 
+    // accel-rs patch: the analytic backward (see `crate::backward`).
+    fn bwd(
+        &self,
+        xs: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        use crate::backward::{rotary, RopeLayout};
+        rotary(rope_i, RopeLayout::Interleaved, xs, cos, sin, grad_res)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -284,7 +297,7 @@ pub fn rope_i(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if !sin.is_contiguous() {
         candle::bail!("sin has to be contiguous in rope")
     }
-    xs.apply_op3_no_bwd(cos, sin, &RotaryEmbI)
+    xs.apply_op3(cos, sin, RotaryEmbI)
 }
 
 pub fn rope_i_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -314,6 +327,19 @@ struct RotaryEmb;
 impl candle::CustomOp3 for RotaryEmb {
     fn name(&self) -> &'static str {
         "rotary-emb"
+    }
+
+    // accel-rs patch: the analytic backward (see `crate::backward`).
+    fn bwd(
+        &self,
+        xs: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        use crate::backward::{rotary, RopeLayout};
+        rotary(rope, RopeLayout::Halves, xs, cos, sin, grad_res)
     }
 
     fn cpu_fwd(
@@ -577,7 +603,7 @@ pub fn rope(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if !sin.is_contiguous() {
         candle::bail!("sin has to be contiguous in rope")
     }
-    xs.apply_op3_no_bwd(cos, sin, &RotaryEmb)
+    xs.apply_op3(cos, sin, RotaryEmb)
 }
 
 fn rotate_half(xs: &Tensor) -> Result<Tensor> {
@@ -605,6 +631,19 @@ struct RotaryEmbThd;
 impl candle::CustomOp3 for RotaryEmbThd {
     fn name(&self) -> &'static str {
         "rotary-emb"
+    }
+
+    // accel-rs patch: the analytic backward (see `crate::backward`).
+    fn bwd(
+        &self,
+        xs: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        use crate::backward::{rotary, RopeLayout};
+        rotary(rope_thd, RopeLayout::HalvesThd, xs, cos, sin, grad_res)
     }
 
     fn cpu_fwd(
@@ -852,5 +891,5 @@ pub fn rope_thd(xs: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if !sin.is_contiguous() {
         candle::bail!("sin has to be contiguous in rope")
     }
-    xs.apply_op3_no_bwd(cos, sin, &RotaryEmbThd)
+    xs.apply_op3(cos, sin, RotaryEmbThd)
 }
