@@ -22,6 +22,7 @@
 # 3. accel-dist/tests/nccl.rs: NCCL init + every collective (world 1; world 2 with 2 GPUs);
 #    accel-nn: cpu_offload_with_hook evicts the previous model from the GPU; the CUDA layer
 #    norm and RMS norm kernels against the composed ops and the CPU kernel's gradients;
+#    the patched candle-nn's fused-op backward on CUDA against the CPU's (nn-cuda-candle-grads);
 #    accel-core: set_seed seeds candle's CUDA generator;
 # 4. DDP buckets and the parameter broadcast on CUDA tensors of one GPU shared by two
 #    processes over TCP (staged through host memory), f32/bf16/f16, with compression;
@@ -222,6 +223,7 @@ fi
 run_step nccl-test 120 test_bin nccl.test --include-ignored "${NCCL_SKIP[@]}" --nocapture --test-threads=1
 run_step nn-hooks-test 60 test_bin accel_nn.lib --ignored cpu_offload_with_hook
 run_step nn-cuda-norms 60 test_bin accel_nn.lib --ignored cuda_norms
+run_step nn-cuda-candle-grads 60 test_bin accel_nn.lib --ignored cuda_candle_nn_backward
 run_step core-test 60 test_bin accel_core.lib --ignored set_seed_makes_cuda_randn_repeat
 
 # 4. Two processes on one GPU over TCP.
