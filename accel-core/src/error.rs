@@ -118,6 +118,15 @@ pub enum Error {
     /// An API was used in an order or a way it does not support.
     #[error("{0}")]
     Usage(String),
+    /// Trainable parameters received no gradient in the first backward at
+    /// more than one rank (PyTorch DDP's unused-parameter error).
+    #[error("rank {rank}: {report}")]
+    UnusedParameters {
+        /// The rank reporting.
+        rank: usize,
+        /// Which parameters, and how to accept or freeze them.
+        report: String,
+    },
 
     // === other ranks ===
     /// Another rank failed a step every rank takes together (a save, a load);

@@ -16,6 +16,7 @@ pub mod data;
 pub mod fsdp;
 mod init;
 pub mod model;
+mod notice;
 pub mod optim;
 pub mod precision;
 pub mod prelude;

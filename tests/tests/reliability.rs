@@ -214,3 +214,50 @@ fn synchronize_rng_states_gives_every_rank_rank_0s_state() {
         assert_eq!(r["seed"], 5);
     }
 }
+
+/// A layer the forward bypasses gets no gradient: named after the first
+/// backward, a warning in one process, an error at every rank of two (as
+/// PyTorch's DDP) unless `find_unused_parameters` accepts it; a frozen
+/// layer is neither reported nor changed.
+#[test]
+fn a_bypassed_layer_is_named_and_an_error_at_2_ranks_unless_accepted_or_frozen() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |world: usize, dir: &str, flags: &[&str]| {
+        let args: Vec<&str> = ["--mode", "unused"].iter().chain(flags).copied().collect();
+        ranks(
+            LaunchConfig::local(world, WORKER),
+            &tmp.path().join(dir),
+            &args,
+        )
+    };
+    let skipped = serde_json::json!(["skipped.bias", "skipped.weight"]);
+    // One process: a warning, training goes on, the layer is untouched.
+    let got = run(1, "single", &[]);
+    assert_eq!(got[0]["ok"], true, "{}", got[0]);
+    assert_eq!(got[0]["unreached"], skipped);
+    assert_eq!(got[0]["skipped_unchanged"], true);
+    // Two ranks: every rank stops at the first backward, naming the parameters.
+    for (r, v) in run(2, "strict", &[]).iter().enumerate() {
+        assert_eq!(v["ok"], false, "{v}");
+        assert_eq!(v["step"], 0, "{v}");
+        let e = v["error"].as_str().unwrap();
+        assert!(
+            e.contains(&format!("rank {r}"))
+                && e.contains("2 trainable parameter(s)")
+                && e.contains("skipped.bias, skipped.weight")
+                && e.contains("find_unused_parameters"),
+            "{e}"
+        );
+    }
+    // Accepted: both steps run.
+    for v in run(2, "accepted", &["--find-unused"]) {
+        assert_eq!(v["ok"], true, "{v}");
+        assert_eq!(v["unreached"], skipped);
+    }
+    // Frozen on purpose: no report, no error, the weights stay as they were.
+    for v in run(2, "frozen", &["--freeze-skipped"]) {
+        assert_eq!(v["ok"], true, "{v}");
+        assert_eq!(v["unreached"], serde_json::json!([]));
+        assert_eq!(v["skipped_unchanged"], true, "{v}");
+    }
+}

@@ -7,6 +7,7 @@
 
 mod checkpointing;
 mod config;
+mod graph;
 mod ops;
 mod seeding;
 mod sharded;
@@ -130,6 +131,7 @@ impl Accelerator {
             }
             _ => {}
         }
+        graph::check_candle_nn_backward();
         let mut pg_config = ProcessGroupConfig::from_env()?;
         if let Some(kwargs) = &config.init_kwargs {
             pg_config = pg_config.with_kwargs(kwargs);
@@ -286,6 +288,23 @@ impl Accelerator {
     /// [`Error::Config`] under an FSDP plugin at more than one rank (see
     /// [`Accelerator::prepare_fsdp_model`]); candle or collective errors.
     pub fn prepare_model(&mut self, varmap: &VarMap) -> Result<PreparedModel> {
+        self.prepare_model_frozen(varmap, |_| false)
+    }
+
+    /// [`Accelerator::prepare_model`], with the parameters whose names
+    /// `frozen` selects kept as they are (PyTorch's `requires_grad=False`,
+    /// e.g. `|name| name.starts_with("embeddings.")`): their gradients are
+    /// dropped, the optimizer and DDP leave them alone, the no-gradient
+    /// report does not name them, and checkpoints still save them. candle
+    /// has no `requires_grad`, so `backward` still computes their gradients.
+    ///
+    /// # Errors
+    /// As [`Accelerator::prepare_model`].
+    pub fn prepare_model_frozen(
+        &mut self,
+        varmap: &VarMap,
+        frozen: impl Fn(&str) -> bool,
+    ) -> Result<PreparedModel> {
         self.check_plain_model_allowed()?;
         let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
         let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -308,7 +327,10 @@ impl Accelerator {
         drop(masters_drawn);
         // How the model is kept in step: DDP buckets at more than one rank.
         let strategy: Arc<dyn SyncStrategy> = if self.num_processes() > 1 {
-            let numels: Vec<usize> = masters.iter().map(|v| v.elem_count()).collect();
+            let numels: Vec<usize> = (names.iter().zip(&masters))
+                .filter(|(name, _)| !frozen(name))
+                .map(|(_, v)| v.elem_count())
+                .collect();
             let cap = (self.config.ddp.bucket_cap_mb * 1024.0 * 1024.0) as usize;
             Arc::new(Replicated {
                 comm: self.comm.clone(),
@@ -319,6 +341,7 @@ impl Accelerator {
             Arc::new(SingleProcess)
         };
         let model = PreparedModel::new(names, vars, masters, strategy);
+        model.freeze_where(&frozen);
         // Weights loaded into the VarMap after `var_builder` drew them win
         // over the drawn fp32 masters.
         model.adopt_outside_writes()?;

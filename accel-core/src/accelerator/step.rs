@@ -91,7 +91,7 @@ impl Accelerator {
         for m in &self.models {
             m.strategy().reduce(m, reduce_now)?;
         }
-        Ok(())
+        self.report_unused_parameters()
     }
 
     /// The fp16 loss scale, when one is in use.

@@ -238,6 +238,11 @@ impl FsdpModel {
     pub(crate) fn deposit_unit_grads(&self, u: usize, full: Vec<Tensor>) -> Result<()> {
         self.sharding.deposit(&self.params, u, full)
     }
+
+    /// Records which parameters of unit `u` (in layout order) a backward reached.
+    pub(crate) fn mark_unit_reached(&self, u: usize, found: &[bool]) {
+        self.sharding.mark_reached(&self.params, u, found)
+    }
 }
 
 /// Carries an accel-core error through candle ops (a unit's backward), typed.

@@ -289,7 +289,9 @@ impl Sharding {
     pub(crate) fn collect_gradients(&self, model: &PreparedModel, store: &GradStore) -> Result<()> {
         let live = std::mem::take(&mut *lock(&self.live));
         for (u, tensors) in live {
-            self.deposit(model, u, grads_of(store, &tensors)?)?;
+            let (grads, found) = grads_of(store, &tensors)?;
+            self.mark_reached(model, u, &found);
+            self.deposit(model, u, grads)?;
         }
         // Units whose backward never ran (a forward without loss) let go here.
         lock(&self.kept).clear();
@@ -297,14 +299,34 @@ impl Sharding {
     }
 }
 
+impl Sharding {
+    /// Records which parameters of unit `u` (in layout order) a backward reached.
+    pub(crate) fn mark_reached(&self, model: &PreparedModel, u: usize, found: &[bool]) {
+        let ids = &self.units[u].ids;
+        model.mark_reached(ids.iter().zip(found).filter(|(_, &f)| f).map(|(&i, _)| i));
+    }
+}
+
 /// The gradient `store` holds for each of `tensors`, zeros where it has none
-/// (a parameter the loss did not reach still takes part in the reduction).
-pub(crate) fn grads_of(store: &GradStore, tensors: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
-    tensors
+/// (a parameter the loss did not reach still takes part in the reduction),
+/// and which of them had one.
+pub(crate) fn grads_of(
+    store: &GradStore,
+    tensors: &[Tensor],
+) -> candle_core::Result<(Vec<Tensor>, Vec<bool>)> {
+    let mut found = Vec::with_capacity(tensors.len());
+    let grads = tensors
         .iter()
         .map(|t| match store.get(t) {
-            Some(g) => Ok(g.clone()),
-            None => t.zeros_like(),
+            Some(g) => {
+                found.push(true);
+                Ok(g.clone())
+            }
+            None => {
+                found.push(false);
+                t.zeros_like()
+            }
         })
-        .collect()
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok((grads, found))
 }

@@ -115,7 +115,8 @@ impl CustomOp1 for UnitOp {
         let out = (self.f)(&weights, &self.args.with_hidden(x.as_tensor().clone()))?;
         // d/d(out) of sum(out * g) is exactly g, whatever the dtype.
         let grads = (out * grad.detach())?.sum_all()?.backward()?;
-        let param_grads = grads_of(&grads, &tensors)?;
+        let (param_grads, found) = grads_of(&grads, &tensors)?;
+        self.model.mark_unit_reached(self.unit, &found);
         let gx = grads.get(x.as_tensor()).cloned();
         // The recomputation's own gradients go before the collective.
         drop(grads);

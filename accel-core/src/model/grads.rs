@@ -30,12 +30,28 @@ impl PreparedModel {
     /// owns a contiguous storage that nothing else holds (the workspace's
     /// patched candle-core copies out any that would share one, see
     /// `vendor/candle-core/src/backprop.rs`).
+    ///
+    /// Frozen parameters' gradients are dropped here (candle computes them
+    /// anyway: it has no `requires_grad`).
     pub(crate) fn accumulate(&self, store: &GradStore) -> Result<()> {
         let mut g = self.lock();
         let found: Vec<(usize, Tensor)> = (0..g.names.len())
             .filter_map(|i| Some((i, store.get(g.model_vars[i].as_tensor())?.clone())))
             .collect();
+        for &(i, _) in &found {
+            g.reached[i] = true;
+        }
+        let found: Vec<_> = found.into_iter().filter(|(i, _)| !g.frozen[*i]).collect();
         deposit(&mut g, found, true)
+    }
+
+    /// Records that a backward reached parameters `ids` (a sharded model's,
+    /// whose gradients arrive through its units).
+    pub(crate) fn mark_reached(&self, ids: impl IntoIterator<Item = usize>) {
+        let mut g = self.lock();
+        for i in ids {
+            g.reached[i] = true;
+        }
     }
 
     /// Averages the gradients over all ranks (DDP). Every parameter takes
@@ -49,7 +65,9 @@ impl PreparedModel {
     ) -> Result<()> {
         let mut g = self.lock();
         let mut all = Vec::with_capacity(g.names.len());
-        for i in 0..g.names.len() {
+        // The buckets were laid out over the trainable parameters only.
+        let trainable: Vec<usize> = (0..g.names.len()).filter(|&i| !g.frozen[i]).collect();
+        for i in trainable {
             let t = match g.grads[i].clone() {
                 Some(t) => t,
                 None => {

@@ -22,6 +22,7 @@ use crate::Result;
 mod ddp;
 mod grads;
 mod load;
+mod reach;
 mod single;
 
 pub(crate) use ddp::Replicated;
@@ -44,6 +45,13 @@ pub(crate) struct ModelInner {
     /// Set once gradients were divided by the loss scale this step, and
     /// whether that found a non-finite value.
     pub unscaled: Option<bool>,
+    /// Parameters kept as they are (PyTorch's `requires_grad=False`): their
+    /// gradients are dropped, so the optimizer and DDP never touch them.
+    pub frozen: Vec<bool>,
+    /// Which parameters a backward has reached since preparation.
+    pub reached: Vec<bool>,
+    /// Set once the no-gradient report was made for this model.
+    pub unused_checked: bool,
 }
 
 /// What a checkpoint keeps of an optimizer's state.
@@ -181,6 +189,9 @@ impl PreparedModel {
                 grads: vec![None; n],
                 has_grad: vec![false; n],
                 unscaled: None,
+                frozen: vec![false; n],
+                reached: vec![false; n],
+                unused_checked: false,
             })),
             strategy,
         }

@@ -158,6 +158,11 @@ pub struct TrainingArguments {
     /// DDP gradient compression on the wire (`none`, `fp16`, `bf16`).
     #[serde(default)]
     pub ddp_comm_hook: CommHook,
+    /// Accept parameters that receive no gradient at more than one rank
+    /// (transformers' `ddp_find_unused_parameters`): a warning instead of an
+    /// error at the first backward.
+    #[serde(default)]
+    pub ddp_find_unused_parameters: Option<bool>,
     /// Fully sharded data parallel, as transformers' words:
     /// `"full_shard auto_wrap"`, `"shard_grad_op"`, `"offload"`, ... (empty: off).
     #[serde(default)]
@@ -206,6 +211,7 @@ impl Default for TrainingArguments {
             use_cpu: false,
             ddp_bucket_cap_mb: None,
             ddp_comm_hook: CommHook::None,
+            ddp_find_unused_parameters: None,
             fsdp: String::new(),
             fsdp_config: FsdpConfig::default(),
             accelerator_config: TrainerAcceleratorConfig::default(),
@@ -367,12 +373,14 @@ impl TrainingArguments {
             .collect()
     }
 
-    /// The data-parallel settings: `ddp_bucket_cap_mb` (default 25) and `ddp_comm_hook`.
+    /// The data-parallel settings: `ddp_bucket_cap_mb` (default 25), `ddp_comm_hook`
+    /// and `ddp_find_unused_parameters` (default false).
     pub fn ddp_config(&self) -> DdpConfig {
         let default = DdpConfig::default();
         DdpConfig {
             bucket_cap_mb: self.ddp_bucket_cap_mb.unwrap_or(default.bucket_cap_mb),
             comm_hook: self.ddp_comm_hook,
+            find_unused_parameters: self.ddp_find_unused_parameters.unwrap_or(false),
         }
     }
 

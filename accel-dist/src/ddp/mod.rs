@@ -31,6 +31,13 @@ pub struct DdpConfig {
     pub bucket_cap_mb: f64,
     /// Compression of gradients on the wire.
     pub comm_hook: CommHook,
+    /// Accept trainable parameters that receive no gradient (PyTorch DDP's
+    /// `find_unused_parameters`). Without it, such a parameter at any rank
+    /// is an error at the first backward that reaches the model, naming it;
+    /// with it, a warning. Either way its gradient counts as zero in the
+    /// average, so the ranks stay in step.
+    #[serde(default)]
+    pub find_unused_parameters: bool,
 }
 
 impl Default for DdpConfig {
@@ -38,6 +45,7 @@ impl Default for DdpConfig {
         Self {
             bucket_cap_mb: 25.0,
             comm_hook: CommHook::None,
+            find_unused_parameters: false,
         }
     }
 }

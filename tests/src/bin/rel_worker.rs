@@ -32,6 +32,10 @@ enum Mode {
     FailedSave,
     /// Report the random state before and after `synchronize_rng_states`.
     RngSync,
+    /// Train two steps of a model whose forward bypasses a layer; report
+    /// the outcome, the parameters no backward reached and whether the
+    /// bypassed layer's weights changed.
+    Unused,
 }
 
 #[derive(Parser)]
@@ -53,6 +57,12 @@ struct Args {
     /// Optimizer steps (accumulate mode).
     #[arg(long, default_value_t = 4)]
     steps: u64,
+    /// Accept parameters without a gradient (unused mode).
+    #[arg(long)]
+    find_unused: bool,
+    /// Freeze the bypassed layer (unused mode).
+    #[arg(long)]
+    freeze_skipped: bool,
 }
 
 fn main() -> Result<()> {
@@ -64,6 +74,7 @@ fn main() -> Result<()> {
         Mode::PlainModel => plain_model()?,
         Mode::FailedSave => failed_save(&args)?,
         Mode::RngSync => rng_sync()?,
+        Mode::Unused => unused(&args)?,
     };
     std::fs::create_dir_all(&args.out)?;
     std::fs::write(
@@ -185,6 +196,44 @@ fn plain_model() -> Result<(usize, serde_json::Value)> {
         Err(e) => json!({ "ok": false, "error": e.to_string() }),
     };
     acc.wait_for_everyone()?;
+    Ok((acc.process_index(), outcome))
+}
+
+fn unused(args: &Args) -> Result<(usize, serde_json::Value)> {
+    use accel_core::optim::{AdamW, AdamWConfig};
+    use candle_nn::Module;
+    let mut config = cpu().with_seed(3);
+    config.ddp.find_unused_parameters = args.find_unused;
+    let mut acc = Accelerator::new(config)?;
+    let varmap = VarMap::new();
+    let vb = acc.var_builder(&varmap);
+    let used = candle_nn::linear(4, 2, vb.pp("used"))?;
+    let _skipped = candle_nn::linear(4, 2, vb.pp("skipped"))?;
+    let model = if args.freeze_skipped {
+        acc.prepare_model_frozen(&varmap, |name| name.starts_with("skipped."))?
+    } else {
+        acc.prepare_model(&varmap)?
+    };
+    let skipped = |model: &accel_core::PreparedModel| -> Result<Vec<Vec<u32>>> {
+        let weights = model.master_weights().into_iter();
+        let skipped = weights.filter(|(name, _)| name.starts_with("skipped."));
+        skipped.map(|(_, t)| bits(&t)).collect()
+    };
+    let before = skipped(&model)?;
+    let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig::default()));
+    let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+    let mut outcome = json!({ "ok": true });
+    for step in 0..2 {
+        let loss = used.forward(&x)?.sqr()?.mean_all()?;
+        if let Err(e) = acc.backward(&loss) {
+            outcome = json!({ "ok": false, "error": e.to_string(), "step": step });
+            break;
+        }
+        opt.step()?;
+        opt.zero_grad();
+    }
+    outcome["unreached"] = json!(model.unreached_parameters());
+    outcome["skipped_unchanged"] = json!(skipped(&model)? == before);
     Ok((acc.process_index(), outcome))
 }
 
