@@ -15,6 +15,7 @@
 #![warn(missing_docs)]
 
 pub mod devices;
+pub mod finetune_candle;
 pub mod finetune_hf;
 pub mod generate;
 pub mod gpt;

@@ -125,3 +125,35 @@ fn minilm_without_checkpoint_fails_naming_the_fetch_script() {
     );
     assert!(stderr.contains(&missing.display().to_string()), "{stderr}");
 }
+
+/// candle-transformers' `BertModel` on the real checkpoint, fine-tuned with
+/// a classification head by the `finetune_candle` example: every one of its
+/// 101 parameters and the head's 2 get a gradient, in fp32 and in bf16
+/// (where the upstream attention mask made every score NaN), and the loss
+/// is finite and falls.
+#[test]
+#[ignore = "needs the all-MiniLM-L6-v2 checkpoint: run scripts/fetch_minilm.sh, then this test with --ignored"]
+fn candle_transformers_bert_fine_tunes_every_parameter_in_fp32_and_bf16() {
+    use accel_core::PrecisionType;
+    use accel_examples::finetune_candle::{run, Args, Which};
+    for precision in [PrecisionType::No, PrecisionType::Bf16] {
+        let args = Args {
+            model: Which::Bert,
+            model_dir: Some(checkpoint()),
+            steps: 3,
+            lr: 1e-4,
+            mixed_precision: Some(precision),
+            seed: 0,
+            json: true,
+        };
+        let steps = run(&args, &mut std::io::sink()).unwrap();
+        for s in &steps {
+            assert_eq!((s.with_grad, s.params), (103, 103), "{precision:?}: {s:?}");
+            assert!(s.loss.is_finite(), "{precision:?}: {s:?}");
+        }
+        assert!(
+            steps[2].loss < 0.5 * steps[0].loss,
+            "{precision:?}: the loss did not fall: {steps:?}"
+        );
+    }
+}

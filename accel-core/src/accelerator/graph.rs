@@ -25,7 +25,8 @@ const NAMES_SHOWN: usize = 5;
 /// The lines a user's `Cargo.toml` needs for the patched candle crates.
 pub(crate) const PATCH_LINES: &str = "[patch.crates-io]\n\
      candle-core = { git = \"<accel-rs repository>\" }\n\
-     candle-nn = { git = \"<accel-rs repository>\" }";
+     candle-nn = { git = \"<accel-rs repository>\" }\n\
+     candle-transformers = { git = \"<accel-rs repository>\" }";
 
 /// True when `op` applied to a small variable passes a gradient back to it.
 pub(crate) fn passes_gradient(op: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> bool {

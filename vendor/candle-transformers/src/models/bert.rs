@@ -525,10 +525,16 @@ fn get_extended_attention_mask(attention_mask: &Tensor, dtype: DType) -> Result<
     };
     let attention_mask = attention_mask.to_dtype(dtype)?;
     // torch.finfo(dtype).min
+    // accel-rs patch: the minimum of the mask's own dtype. f32::MIN rounds to -inf in bf16, and
+    // (1 - mask) * -inf made every unmasked score NaN (0 * -inf) in a bf16 model.
+    let min = match dtype {
+        DType::BF16 => f32::from_bits(0xFF7F_0000) as f64, // bf16::MIN
+        DType::F16 => -65504.0,                             // f16::MIN
+        DType::F64 => f64::MIN,
+        _ => f32::MIN as f64,
+    };
     (attention_mask.ones_like()? - &attention_mask)?.broadcast_mul(
-        &Tensor::try_from(f32::MIN)?
-            .to_device(attention_mask.device())?
-            .to_dtype(dtype)?,
+        &Tensor::new(min, attention_mask.device())?.to_dtype(dtype)?,
     )
 }
 

@@ -1,0 +1,141 @@
+//! candle-transformers' models train through the Accelerator on the
+//! workspace's patched candle crates:
+//!
+//! * two implementations of one model agree: candle-transformers' Llama,
+//!   whose RMS norms, softmax and rotary embeddings are candle-nn's fused
+//!   ops, gives the same loss and the same gradient for every one of its
+//!   21 parameters (within 1e-5, relative to the gradient's largest element)
+//!   as accel-models' Llama on the repository's Llama fixture;
+//! * the `finetune_candle` example trains every parameter of that Llama in
+//!   fp32 and bf16 with a finite, falling loss (BERT needs the MiniLM
+//!   checkpoint: `tests/minilm.rs`).
+
+use std::path::{Path, PathBuf};
+
+use accel_core::bigmodel::CheckpointSource;
+use accel_core::models::ModelConfig;
+use accel_core::PrecisionType;
+use accel_examples::finetune_candle::{run, Args, Which};
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use candle_nn::{VarBuilder, VarMap};
+use candle_transformers::models::llama;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/hf")
+        .join(name)
+}
+
+/// Sets every variable of `varmap` to the checkpoint tensor of its name.
+fn load_into(varmap: &VarMap, dir: &Path) -> Result<Vec<String>> {
+    let source = CheckpointSource::open(dir)?;
+    let data = varmap.data().lock().unwrap();
+    let mut names = vec![];
+    for (name, var) in data.iter() {
+        var.set(&source.tensor(name, &Device::Cpu, Some(DType::F32))?)?;
+        names.push(name.clone());
+    }
+    names.sort();
+    Ok(names)
+}
+
+#[test]
+fn candle_transformers_llama_gradients_equal_accel_models_llama() -> Result<()> {
+    let dir = fixture("llama");
+    let cpu = Device::Cpu;
+    let ids = Tensor::new(
+        &[[1u32, 17, 93, 5, 64, 2, 110], [3, 3, 48, 127, 0, 9, 71]],
+        &cpu,
+    )?;
+    let next = Tensor::new(&[42u32, 7], &cpu)?;
+
+    let text = std::fs::read_to_string(dir.join("config.json"))?;
+    let theirs_cfg = serde_json::from_str::<llama::LlamaConfig>(&text)?.into_config(false);
+    let theirs_map = VarMap::new();
+    let theirs = llama::Llama::load(
+        VarBuilder::from_varmap(&theirs_map, DType::F32, &cpu),
+        &theirs_cfg,
+    )?;
+    let theirs_names = load_into(&theirs_map, &dir)?;
+    let mut cache = llama::Cache::new(false, DType::F32, &theirs_cfg, &cpu)?;
+    let theirs_loss = candle_nn::loss::cross_entropy(&theirs.forward(&ids, 0, &mut cache)?, &next)?;
+
+    let ModelConfig::Llama(ours_cfg) = ModelConfig::from_path(&dir)? else {
+        anyhow::bail!("the fixture is a Llama");
+    };
+    let ours_map = VarMap::new();
+    let ours = accel_core::models::Llama::new(
+        &ours_cfg,
+        VarBuilder::from_varmap(&ours_map, DType::F32, &cpu),
+    )?;
+    let ours_names = load_into(&ours_map, &dir)?;
+    let last = ours.forward(&ids)?.i((.., ids.dim(1)? - 1, ..))?;
+    let ours_loss = candle_nn::loss::cross_entropy(&last, &next)?;
+
+    assert_eq!(theirs_names, ours_names);
+    assert_eq!(theirs_names.len(), 21);
+    let (a, b) = (
+        theirs_loss.to_scalar::<f32>()?,
+        ours_loss.to_scalar::<f32>()?,
+    );
+    ensure!((a - b).abs() <= 1e-5, "losses {a} vs {b}");
+
+    let (theirs_grads, ours_grads) = (theirs_loss.backward()?, ours_loss.backward()?);
+    let theirs_vars = theirs_map.data().lock().unwrap();
+    let ours_vars = ours_map.data().lock().unwrap();
+    for name in &theirs_names {
+        let g1 = theirs_grads
+            .get(theirs_vars[name].as_tensor())
+            .unwrap_or_else(|| panic!("candle-transformers' {name} got no gradient"));
+        let g2 = ours_grads
+            .get(ours_vars[name].as_tensor())
+            .unwrap_or_else(|| panic!("accel-models' {name} got no gradient"));
+        let diff = (g1 - g2)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        let scale = g2.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        ensure!(scale > 0.0, "{name}: a zero gradient proves nothing");
+        // f32 sums in another order: within 1e-5 of the gradient's largest
+        // element (this fixture's weights make some gradients ~100).
+        ensure!(
+            diff <= 1e-5 * scale.max(1.0),
+            "{name}: gradients differ by {diff} (largest {scale})"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn finetune_candle_trains_every_llama_parameter_in_fp32_and_bf16() -> Result<()> {
+    for precision in [PrecisionType::No, PrecisionType::Bf16] {
+        let args = Args {
+            model: Which::Llama,
+            model_dir: Some(fixture("llama")),
+            steps: 4,
+            lr: 1e-3,
+            mixed_precision: Some(precision),
+            seed: 0,
+            json: true,
+        };
+        let mut out = vec![];
+        let steps = run(&args, &mut out)?;
+        assert_eq!(steps.len(), 4);
+        for s in &steps {
+            assert_eq!((s.with_grad, s.params), (21, 21), "{precision:?}: {s:?}");
+            assert!(s.loss.is_finite(), "{precision:?}: {s:?}");
+        }
+        assert!(
+            steps[3].loss < 0.8 * steps[0].loss,
+            "{precision:?}: the loss did not fall: {steps:?}"
+        );
+        // One JSON object per step.
+        let text = String::from_utf8(out)?;
+        assert_eq!(text.lines().count(), 4);
+        let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap())?;
+        assert_eq!(first["with_grad"], 21);
+    }
+    Ok(())
+}
