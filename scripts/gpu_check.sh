@@ -27,7 +27,8 @@
 # 4. DDP buckets and the parameter broadcast on CUDA tensors of one GPU shared by two
 #    processes over TCP (staged through host memory), f32/bf16/f16, with compression;
 # 5. the example GPT (train_gpt) on cuda:0 in fp32, bf16 and fp16 (loss scaling) against the
-#    same run on the CPU: per-step losses within 0.1% (fp32) / 5% (bf16, fp16);
+#    same run on the CPU: per-step losses within 0.1% (fp32) / 5% (bf16, fp16); candle-transformers'
+#    Llama (finetune_candle) likewise in fp32 and bf16, every parameter with a gradient (candle-cuda);
 # 6. hf_logits on the Llama fixture with a GPU budget smaller than the model
 #    (`--max-memory 0=60KB,cpu=90KB,disk=1GB`): GPU, CPU and disk placements, logits
 #    within 1e-4 of the plain CPU run;
@@ -105,14 +106,14 @@ build() {
     --no-run --lib --test cuda --test nccl --test collectives --message-format=json-render-diagnostics > "$json" || return 1
   cargo build --release -p accel-examples -p accel-kernels --features "$FEATURES,accel-examples/cuda" --example train_gpt \
     --example hf_logits --example bench_train --example device_bench --example generate --example finetune_hf \
-    --example profile_gpt \
+    --example profile_gpt --example finetune_candle \
     --message-format=json-render-diagnostics >> "$json" || return 1
   python3 - "$json" "$MANIFEST" <<'PY' || return 1
 import json, os, sys
 NEEDED = {"cuda.test", "nccl.test", "collectives.test", "dist_worker.bin", "accel_kernels.lib",
           "accel_nn.lib", "accel_core.lib", "device_bench.example", "train_gpt.example",
           "hf_logits.example", "bench_train.example", "generate.example", "profile_gpt.example",
-          "finetune_hf.example"}
+          "finetune_hf.example", "finetune_candle.example"}
 rows = {}
 for line in open(sys.argv[1]):
     m = json.loads(line)
@@ -260,7 +261,36 @@ sys.exit(0 if ok else 1)
 PY
 }
 export -f gpt_curves
+
+# 5b. candle-transformers' Llama (the patched candle-nn's fused ops and their composed backward)
+# fine-tuned on cuda:0 against the same run on the CPU: every parameter with a gradient, losses
+# within 1e-3 (fp32) / 5% (bf16).
+candle_curves() {
+  local mp fixture=$ROOT/tests/fixtures/hf/llama
+  for mp in no bf16; do
+    ACCELERATE_USE_CPU=1 "$BIN_DIR/finetune_candle" --model llama --model-dir "$fixture" --steps 8 \
+      --mixed-precision $mp --json > "$WORK/candle_cpu_$mp.jsonl" || return 1
+    "$BIN_DIR/finetune_candle" --model llama --model-dir "$fixture" --steps 8 \
+      --mixed-precision $mp --json > "$WORK/candle_gpu_$mp.jsonl" || return 1
+  done
+  python3 - "$WORK" <<'PY'
+import json, sys
+ok = True
+for mp, tol in [("no", 1e-3), ("bf16", 0.05)]:
+    gpu, cpu = ([json.loads(l) for l in open(f"{sys.argv[1]}/candle_{d}_{mp}.jsonl")] for d in ("gpu", "cpu"))
+    worst = max(abs(g["loss"] - c["loss"]) / c["loss"] for g, c in zip(gpu, cpu))
+    grads = all(s["with_grad"] == s["params"] for s in gpu)
+    good = len(gpu) == len(cpu) == 8 and worst <= tol and grads
+    ok &= good
+    print(json.dumps({"mixed_precision": mp, "first_loss": gpu[0]["loss"], "last_loss": gpu[-1]["loss"],
+                      "max_rel_diff_vs_cpu": round(worst, 6), "every_parameter_has_a_gradient": grads,
+                      "tolerance": tol, "ok": good}))
+sys.exit(0 if ok else 1)
+PY
+}
+export -f candle_curves
 run_step gpt-cuda 240 gpt_curves
+run_step candle-cuda 120 candle_curves
 
 # 6. Offload with a GPU budget smaller than the model.
 offload_gpu() {
