@@ -5,7 +5,9 @@
 //! `apply_op*_no_bwd`, so a backward stops at them and every parameter below
 //! silently gets no gradient (huggingface/candle #2168, #3011, #3569, #3752).
 //! These are the analytic gradients, as the open upstream PRs #3526, #3568,
-//! #3591, #3613 and #3823 add them.
+//! #3591, #3613 and #3823 add them. `attention::flash_attn`'s CPU kernels
+//! build their output from a `Vec`, which cuts the graph too; a forward a
+//! backward can reach takes [`attention`] (composed ops) instead.
 //!
 //! They are composed of candle ops, so they run on every device (on CUDA as
 //! candle's own kernels, a handful of launches per op; the rotary ones reuse
@@ -221,4 +223,65 @@ pub(crate) fn rotary(
         None
     };
     Ok((dx, dcos, dsin))
+}
+
+/// `attention::flash_attn` when a backward can reach `q`, `k` or `v`: the
+/// CPU flash kernels write their output through `Tensor::from_vec`, which
+/// would cut the graph there, so a training forward takes these composed
+/// (differentiable) ops instead, with the same inputs and result:
+/// `q (B, S, H, D)`, `k`/`v (B, KV_S, KV_H, D)` (grouped-query heads
+/// repeated), output `(B, H, S, D)`. Scores are computed in f32.
+///
+/// ALiBi (`max_bias`) has no composed form here: an error, not a cut graph.
+pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    softmax_scale: f32,
+    attn_mask: &crate::attention::AttnMask,
+    max_bias: Option<f32>,
+    softcap: Option<f32>,
+) -> Result<Tensor> {
+    use crate::attention::AttnMask;
+    if max_bias.is_some_and(|b| b > 0.0) {
+        candle::bail!(
+            "attention::flash_attn: ALiBi (max_bias) has no backward; \
+             train with a composed attention instead"
+        )
+    }
+    let dtype = q.dtype();
+    let (b, s_q, h_q, d) = q.dims4()?;
+    let (_, s_kv, h_kv, _) = k.dims4()?;
+    if h_kv == 0 || h_q % h_kv != 0 {
+        candle::bail!("attention::flash_attn: {h_q} query heads over {h_kv} key/value heads")
+    }
+    let heads = |t: &Tensor| -> Result<Tensor> {
+        // (B, KV_S, KV_H, D) -> (B, H, KV_S, D), each key/value head repeated.
+        let t = widened(t)?.transpose(1, 2)?;
+        let t = t.unsqueeze(2)?.broadcast_as((b, h_kv, h_q / h_kv, s_kv, d))?;
+        t.reshape((b, h_q, s_kv, d))
+    };
+    let (k, v) = (heads(k)?, heads(v)?);
+    let q = widened(q)?.transpose(1, 2)?.contiguous()?;
+    let mut scores = (q.matmul(&k.t()?)? * softmax_scale as f64)?;
+    if let Some(cap) = softcap.filter(|&c| c != 0.0) {
+        scores = ((scores / cap as f64)?.tanh()? * cap as f64)?;
+    }
+    let additive = match attn_mask {
+        AttnMask::None => None,
+        AttnMask::Causal { kv_offset } => {
+            let rows: Vec<f32> = (0..s_q)
+                .flat_map(|i| {
+                    (0..s_kv).map(move |j| if j <= i + kv_offset { 0.0 } else { f32::NEG_INFINITY })
+                })
+                .collect();
+            Some(Tensor::from_vec(rows, (s_q, s_kv), q.device())?)
+        }
+        AttnMask::Mask(m) => Some(m.clone()),
+    };
+    if let Some(mask) = additive {
+        scores = scores.broadcast_add(&mask.to_dtype(scores.dtype())?)?;
+    }
+    let probs = crate::ops::softmax_last_dim(&scores)?;
+    probs.matmul(&v.contiguous()?)?.to_dtype(dtype)
 }

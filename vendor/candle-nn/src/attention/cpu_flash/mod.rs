@@ -75,6 +75,11 @@ pub fn flash_attn<T>(
 where
     T: WithDType + num_traits::Float,
 {
+    // accel-rs patch: the kernels below write their output through `Tensor::from_vec`, cutting
+    // the graph; a forward a backward can reach takes the composed ops (see `crate::backward`).
+    if q.track_op() || k.track_op() || v.track_op() {
+        return crate::backward::attention(q, k, v, softmax_scale, &attn_mask, max_bias, softcap);
+    }
     let b = q.dims()[0];
 
     if b > 1 {
