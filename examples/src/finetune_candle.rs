@@ -216,17 +216,17 @@ impl BertTask {
             acc.var_builder(&head_map).pp("classifier"),
         )?;
         let head_model = acc.prepare_model(&head_map)?;
-        let encoded = SENTIMENT
-            .iter()
-            .map(|(text, _)| tokenizer.encode(text, true))
-            .collect::<accel_core::models::Result<Vec<_>>>()?;
+        let mut encoded = Vec::with_capacity(SENTIMENT.len());
+        for (text, _) in SENTIMENT {
+            encoded.push(tokenizer.encode(text, true)?);
+        }
         let len = encoded.iter().map(Vec::len).max().unwrap_or(0);
         let (mut ids, mut mask) = (vec![], vec![]);
         for e in &encoded {
             ids.extend(
                 e.iter()
                     .copied()
-                    .chain(std::iter::repeat(0).take(len - e.len())),
+                    .chain(std::iter::repeat_n(0, len - e.len())),
             );
             mask.extend((0..len).map(|i| u32::from(i < e.len())));
         }
