@@ -52,6 +52,13 @@ pub struct Args {
     /// Print one JSON object per line: the setup, then `{"step": k, "loss": f}` per step.
     #[arg(long)]
     pub json: bool,
+    /// Save the fine-tuned model here as a Hugging Face folder: the weights in
+    /// the source's dtype, its config.json, generation_config.json and tokenizer files.
+    #[arg(long)]
+    pub output_dir: Option<PathBuf>,
+    /// Shard the saved weights past this size, with an index (save_pretrained's default).
+    #[arg(long, default_value = "5GB")]
+    pub max_shard_size: String,
 }
 
 /// The token ids of `path`: a JSON array of non-empty, equal-length arrays
@@ -232,6 +239,11 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
             }
             out.flush()?;
         }
+    }
+    if let Some(dir) = &args.output_dir {
+        params
+            .save_pretrained(&acc, dir, &args.max_shard_size)
+            .with_context(|| format!("saving the model to --output-dir {}", dir.display()))?;
     }
     acc.end_training()?;
     Ok(())

@@ -133,7 +133,7 @@ impl Accelerator {
     /// the others waiting at the next collective until its timeout. A rank
     /// that failed returns its own error; the others return
     /// [`Error::RankFailed`] naming the first rank that failed.
-    pub(super) fn agree<T>(&self, op: &'static str, outcome: Result<T>) -> Result<T> {
+    pub(crate) fn agree<T>(&self, op: &'static str, outcome: Result<T>) -> Result<T> {
         if self.num_processes() == 1 {
             return outcome;
         }

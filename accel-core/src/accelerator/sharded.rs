@@ -59,6 +59,7 @@ impl Accelerator {
         let from = Arc::new(Pretrained::open(checkpoint.as_ref())?);
         let (model, params) = self.prepare_from(Some(from.clone()), build)?;
         from.warn_unused();
+        params.set_source(crate::model::PretrainedSource::of(&from.source));
         Ok((model, params))
     }
 

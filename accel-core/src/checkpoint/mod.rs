@@ -34,6 +34,7 @@ mod st_format;
 pub use atomic::{
     checkpoint_path, clean_stale_temps, enforce_total_limit, list_checkpoints, AtomicDir,
 };
+pub(crate) use fs_util::write_bytes_atomic;
 pub use safetensors_io::{
     load_into, load_state_dict, read_json, read_safetensors, read_safetensors_with_metadata,
     restore_vars, save_state_dict, specs_of, write_json, write_safetensors, TensorSpec,

@@ -266,6 +266,10 @@ pub(crate) fn load_full_into_pieces(
     for ((_, var), piece) in vars.iter().zip(staged) {
         var.set(&piece.to_device(var.device())?)?;
     }
+    // The ranks that read it (rank 0 at least, which writes `save_pretrained`).
+    if let Some(src) = &source {
+        model.set_source(crate::model::PretrainedSource::of(src));
+    }
     model.refresh_model_weights()
 }
 

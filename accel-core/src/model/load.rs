@@ -62,6 +62,7 @@ impl PreparedModel {
         for (name, var) in &masters {
             var.set(&source.tensor(name, var.device(), Some(DType::F32))?)?;
         }
+        self.set_source(super::PretrainedSource::of(&source));
         drop(source);
         self.refresh_model_weights()
     }

@@ -22,10 +22,13 @@ use crate::Result;
 mod ddp;
 mod grads;
 mod load;
+mod pretrained;
 mod reach;
 mod single;
 
 pub(crate) use ddp::Replicated;
+pub(crate) use pretrained::PretrainedSource;
+pub use pretrained::CARRIED_FILES;
 pub(crate) use single::SingleProcess;
 
 #[derive(Debug)]
@@ -52,6 +55,8 @@ pub(crate) struct ModelInner {
     pub reached: Vec<bool>,
     /// Set once the no-gradient report was made for this model.
     pub unused_checked: bool,
+    /// The checkpoint the weights were loaded from, for `save_pretrained`.
+    pub source: Option<Arc<PretrainedSource>>,
 }
 
 /// What a checkpoint keeps of an optimizer's state.
@@ -192,6 +197,7 @@ impl PreparedModel {
                 frozen: vec![false; n],
                 reached: vec![false; n],
                 unused_checked: false,
+                source: None,
             })),
             strategy,
         }

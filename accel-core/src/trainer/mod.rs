@@ -330,12 +330,16 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
         Ok(())
     }
 
-    /// Saves the fp32 weights to `dir/model.safetensors` (main process only).
+    /// Saves the model as transformers' `Trainer.save_model` does, through
+    /// [`PreparedModel::save_pretrained`](crate::PreparedModel::save_pretrained):
+    /// `dir/model.safetensors` (sharded past 5GB) in the dtypes of the
+    /// checkpoint the model started from (fp32 from scratch), with that
+    /// folder's config and tokenizer files. The main process writes.
     ///
     /// # Errors
     /// When the folder cannot be written.
     pub fn save_model(&self, dir: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
-        self.acc.save_model(&self.params, dir, "10GB")
+        self.params.save_pretrained(&self.acc, dir, "5GB")
     }
 }
 
