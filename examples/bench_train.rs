@@ -58,12 +58,12 @@ struct Args {
     /// fp16 counterpart here (it would need a GradScaler).
     #[arg(long)]
     mixed_precision: Option<PrecisionType>,
-    /// `cpu` (the figures in the README) or `cuda` (cuda:0, with a build
+    /// `cpu` (the figures in BENCHMARKS.md) or `cuda` (cuda:0, with a build
     /// `--features cuda`; torch then runs on the same GPU). Every row runs
     /// on this device. `cuda-untracked` is a diagnostic: candle's own
     /// `Device::new_cuda(0)`, whose context has one stream, so cudarc
     /// tracks no per-allocation events (unsafe once work crosses streams or
-    /// threads, see the README's stream model); it measures what that
+    /// threads, see docs/design/stream-model.md); it measures what that
     /// tracking costs a step.
     #[arg(long, default_value = "cpu")]
     device: String,

@@ -13,7 +13,7 @@
 //! waits for the device. So `fwd_ms + bwd_ms + opt_ms` close to the whole
 //! step means the step is bound by the host's enqueueing, not the GPU.
 //! `cuda` is `accel_kernels::cuda_device(0)` (cudarc's per-allocation event
-//! tracking on, see the README's stream model), `cuda-untracked` candle's
+//! tracking on, see docs/design/stream-model.md), `cuda-untracked` candle's
 //! own `Device::new_cuda(0)` (one stream, no tracking), and `cuda-both`
 //! alternates the two in one process, two rounds each, so their ratio is
 //! not blurred by process-to-process variation.

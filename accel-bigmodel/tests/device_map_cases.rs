@@ -2,7 +2,8 @@
 //! module sizes, largest layer, resolved and balanced budgets, both device maps
 //! (values and, where the file records it, key order), warnings, logs and errors.
 //!
-//! Case files: `shared/spec/device_map_cases.json` (the project spec; required),
+//! Case files: `tests/data/device_map_cases.json` (the project's reference cases, from
+//! Accelerate's `infer_auto_device_map`; format in `tests/data/device_map_cases.md`),
 //! `tests/data/accelerate_cases.json` (more cases made by `tests/data/gen_cases.py`
 //! with the real Accelerate), and any paths in `ACCEL_BIGMODEL_EXTRA_CASES`
 //! (colon-separated), e.g. a large generated fuzz set.
@@ -401,11 +402,10 @@ fn run(paths: &[PathBuf]) {
 
 #[test]
 fn spec_cases_match_accelerate() {
-    let path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/spec/device_map_cases.json");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/device_map_cases.json");
     assert!(
         path.exists(),
-        "the reference cases are missing: expected {} (shared/ must sit beside the repository)",
+        "the reference cases are missing: expected {}",
         path.display()
     );
     run(&[path]);

@@ -17,7 +17,7 @@ use accel_core::{Error, Result};
 /// Flags of `accel device-map`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DeviceMapArgs {
-    /// Model tree JSON (the format of shared/spec/device_map_cases.md: an object
+    /// Model tree JSON (the format of accel-bigmodel/tests/data/device_map_cases.md: an object
     /// with `modules`, `parameters`, `buffers`, `tied`, or a case holding one under `model_tree`).
     #[arg(
         long,

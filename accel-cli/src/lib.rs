@@ -4,6 +4,29 @@
 //! A crate apart from accel-core (as ripgrep keeps its binary apart from its
 //! library crates), so a training program that depends on the library does
 //! not compile clap, anyhow or a YAML parser.
+//!
+//! [`Cli`] is the whole command line and [`Command`] its subcommands, each
+//! with its flags struct ([`LaunchArgs`], [`ConfigArgs`], [`EnvArgs`],
+//! [`EstimateArgs`], [`DeviceMapArgs`], [`MergeWeightsArgs`]) and the
+//! function the binary calls with it ([`launch`], [`config_command`],
+//! [`env_report`], [`estimate_memory`], [`device_map`], [`merge_weights`]);
+//! [`config_file`] reads and writes Accelerate's `default_config.yaml`. Tests
+//! and other programs call these functions directly:
+//!
+//! ```
+//! use accel_cli::{Cli, Command};
+//! use clap::Parser;
+//!
+//! let cli = Cli::try_parse_from([
+//!     "accel", "launch", "--num_processes", "2", "--cpu", "train", "--steps", "10",
+//! ])?;
+//! let Command::Launch(args) = cli.command else { unreachable!() };
+//! assert_eq!(args.num_processes, Some(2));
+//! assert!(args.cpu);
+//! assert_eq!(args.command, ["train", "--steps", "10"]);
+//! // `accel_cli::launch(&args)` would now start the two ranks and wait for them.
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 

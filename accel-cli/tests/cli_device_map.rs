@@ -1,5 +1,6 @@
 //! `accel device-map` reproduces every reference planning case of
-//! shared/spec/device_map_cases.json through the command line.
+//! accel-bigmodel/tests/data/device_map_cases.json (Accelerate's `infer_auto_device_map`
+//! on each case) through the command line.
 
 use std::path::Path;
 use std::process::Command;
@@ -7,8 +8,8 @@ use std::process::Command;
 use serde_json::Value;
 
 fn spec() -> Value {
-    let path =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/spec/device_map_cases.json");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../accel-bigmodel/tests/data/device_map_cases.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
             "the reference cases must be present at {}: {e}",

@@ -21,6 +21,37 @@
 //! tensors it touches while it runs, so it refuses lists in which a written
 //! tensor shares storage with another tensor of the same call (that would
 //! deadlock) with [`Error::AliasedStorage`].
+//!
+//! Main items: [`cast_tensors`] / [`cast_into`] (fp32 <-> bf16/f16, bitwise
+//! candle's `to_dtype`), [`unscale_and_check`] (a loss-scaled gradient list
+//! unscaled with an overflow flag), [`adamw_step`] / [`sgd_step`] with
+//! [`AdamWParams`] / [`SgdParams`], [`cuda_device`] (the one `Device` per
+//! CUDA ordinal the rest of accel-rs shares), and [`par`], the CPU pool the
+//! passes run on.
+//!
+//! ```
+//! use accel_kernels::{cast_into, cast_tensors, unscale_and_check};
+//! use candle_core::{DType, Device, Tensor};
+//!
+//! let dev = Device::Cpu;
+//! // fp32 master weights and their bf16 compute copies, converted in one pass
+//! let masters = vec![Tensor::ones((4, 4), DType::F32, &dev)?, Tensor::ones(8, DType::F32, &dev)?];
+//! let copies = cast_tensors(&masters, DType::BF16)?;
+//! assert_eq!(copies[1].dtype(), DType::BF16);
+//!
+//! // gradients of a loss scaled by 1024: unscaled in place, with an overflow flag
+//! let grads = vec![
+//!     (Tensor::ones((4, 4), DType::F32, &dev)? * 2048.0)?,
+//!     (Tensor::ones(8, DType::F32, &dev)? * 1024.0)?,
+//! ];
+//! let overflow = unscale_and_check(&grads, 1.0 / 1024.0)?;
+//! assert!(!overflow);
+//! assert_eq!(grads[0].flatten_all()?.to_vec1::<f32>()?[0], 2.0);
+//!
+//! // after the optimizer step: refresh the copies in place, without allocating
+//! cast_into(&masters, &copies)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 

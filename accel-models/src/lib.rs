@@ -15,6 +15,37 @@
 //! | `llama`, `mistral`, `qwen2` | [`Llama`] | `model.embed_tokens`, `model.layers.{i}`, `model.norm`, `lm_head` |
 //! | `gpt2` | [`Gpt2`] | `transformer.wte`, `transformer.wpe`, `transformer.h.{i}`, `transformer.ln_f`, `lm_head` |
 //! | `bert` | [`Bert`] | `embeddings`, `encoder.layer.{i}`, `pooler` |
+//!
+//! [`AutoModel`] picks the architecture from `config.json`: [`AutoModel::load`]
+//! loads a folder onto a device, [`AutoModel::load_dispatched`] loads it
+//! dispatched over GPU, CPU and disk as Accelerate's
+//! `load_checkpoint_and_dispatch` does, and [`Tokenizer`] reads the folder's
+//! `tokenizer.json`. Errors are [`Error`], naming the file and the tensor.
+//!
+//! A tiny Llama from this repository's test fixtures, loaded whole, then
+//! planned under a CPU budget of 96 KB (Accelerate's "auto" device map), the
+//! layers beyond it read from the checkpoint on disk at each forward:
+//!
+//! ```
+//! use accel_bigmodel::{Placement, PlanOptions};
+//! use accel_models::AutoModel;
+//! use accel_nn::{DeviceMapChoice, LoadDispatchOptions};
+//! use candle_core::{DType, Device, Tensor};
+//!
+//! let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf/llama");
+//! let model = AutoModel::load(&dir, DType::F32, &Device::Cpu)?;
+//! let ids = Tensor::new(&[[1u32, 17, 42]], &Device::Cpu)?;
+//! let logits = model.forward(&ids)?;
+//! assert_eq!(logits.dims(), [1, 3, model.vocab_size()]);
+//!
+//! let budget = vec![(Placement::Cpu, "96KB".into()), (Placement::Disk, "1GB".into())];
+//! let plan = PlanOptions::new(budget).with_no_split_module_classes([model.layer_class()]);
+//! let opts = LoadDispatchOptions::new(DeviceMapChoice::Auto(plan));
+//! let (offloaded, _report) = AutoModel::load_dispatched(&dir, &opts)?;
+//! let diff = (offloaded.forward(&ids)? - &logits)?.abs()?.max_all()?;
+//! assert!(diff.to_scalar::<f32>()? < 1e-5);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 

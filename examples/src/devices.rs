@@ -5,7 +5,7 @@ use candle_core::Device;
 
 /// The device behind a `--device` name: `cpu`; `cuda` (cuda:0 through
 /// `accel_kernels::cuda_device`, cudarc's per-allocation event tracking on,
-/// see the README's stream model); or `cuda-untracked`, a diagnostic:
+/// see docs/design/stream-model.md); or `cuda-untracked`, a diagnostic:
 /// candle's own `Device::new_cuda(0)`, whose context has one stream, so
 /// cudarc tracks no events (unsafe once work crosses streams or threads),
 /// with the same memory pool setting, so only the tracking differs.

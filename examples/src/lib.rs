@@ -12,6 +12,59 @@
 //! Everything is deterministic given a seed and needs no download (but for
 //! [`minilm`], which runs the checkpoint `scripts/fetch_minilm.sh` fetches),
 //! so that the same batches can be replayed against the PyTorch reference.
+//!
+//! The training loop of the README, the main job `train_gpt` condensed
+//! (`no_run`: it trains for an epoch and writes a checkpoint under
+//! `runs/demo`):
+//!
+//! ```no_run
+//! use accel_core::prelude::{
+//!     Accelerator, AcceleratorConfig, AdamW, AdamWConfig, DataLoader, DataLoaderConfig,
+//!     PrecisionType, ProjectConfiguration, TensorDataset,
+//! };
+//! use accel_examples::text::{windows, CharTokenizer, CORPUS};
+//! use accel_examples::{Gpt, GptConfig};
+//! use candle_core::Tensor;
+//!
+//! fn main() -> anyhow::Result<()> {
+//!     let mut acc = Accelerator::new(
+//!         AcceleratorConfig::default()
+//!             .with_mixed_precision(PrecisionType::Bf16) // fp32 master weights, bf16 compute
+//!             .with_gradient_accumulation_steps(2)
+//!             .with_seed(1337)
+//!             .with_project(ProjectConfiguration::automatic("runs/demo")),
+//!     )?;
+//!     let tok = CharTokenizer::new(CORPUS);
+//!     let cfg = GptConfig::char_small(tok.vocab_size());
+//!     let (x, y, n) = windows(&tok.encode(CORPUS)?, cfg.block_size, cfg.block_size / 2);
+//!     let x = Tensor::from_vec(x, (n, cfg.block_size), acc.device())?;
+//!     let y = Tensor::from_vec(y, (n, cfg.block_size), acc.device())?;
+//!     let data = DataLoader::new(
+//!         TensorDataset::new(vec![x, y])?,
+//!         DataLoaderConfig::new(16).with_shuffle(true),
+//!     );
+//!     let loader = acc.prepare_data_loader(data); // each rank reads its own shard
+//!
+//!     let varmap = candle_nn::VarMap::new();
+//!     let model = Gpt::new(cfg, acc.var_builder(&varmap))?; // seeded init in the compute dtype
+//!     let params = acc.prepare_model(&varmap)?; // plain or DDP, as the launcher says
+//!     let mut opt = acc.prepare_optimizer(&params, AdamW::new(AdamWConfig::default()));
+//!     for batch in loader.iter() {
+//!         let batch = batch?;
+//!         acc.accumulate(|acc| {
+//!             acc.backward(&model.loss(&batch[0], &batch[1])?)?;
+//!             if acc.sync_gradients() {
+//!                 acc.clip_grad_norm(&params, 1.0)?;
+//!             }
+//!             opt.step()?;
+//!             opt.zero_grad();
+//!             Ok(())
+//!         })?;
+//!     }
+//!     acc.save_state(None)?; // runs/demo/checkpoints/checkpoint_0
+//!     Ok(())
+//! }
+//! ```
 #![warn(missing_docs)]
 
 pub mod devices;

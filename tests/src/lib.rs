@@ -1,5 +1,22 @@
 //! Shared helpers for the integration tests: a tiny GPT training job that the
 //! worker binary and the in-process tests run identically.
+//!
+//! [`TinyJob`] is that job (a 2-layer GPT of width 32 on the embedded corpus,
+//! prepared by an [`Accelerator`] however it is configured: plain, DDP,
+//! FSDP, mixed precision); [`cosine`] its usual schedule; [`result_weights`]
+//! reads back what the `train_worker` binary wrote. The tests in `tests/`
+//! run it in one process and across real processes and compare the two.
+//!
+//! ```
+//! use accel_core::{Accelerator, AcceleratorConfig};
+//! use accel_tests::{cosine, TinyJob};
+//!
+//! let mut acc = Accelerator::new(AcceleratorConfig::default().with_seed(1))?;
+//! let mut job = TinyJob::new(&mut acc, 2_000, 8, cosine())?;
+//! let losses = job.train(&mut acc, 0, 3)?; // three optimizer steps
+//! assert!(losses.iter().all(|l| l.is_finite()));
+//! # Ok::<(), accel_core::Error>(())
+//! ```
 
 use accel_core::data::{DataLoader, TensorDataset};
 use accel_core::optim::{AdamW, AdamWConfig, PreparedOptimizer};

@@ -4,7 +4,7 @@
     python gen_cases.py --random 2000 --seed 7 --out /tmp/fuzz.json --no-hand
     ACCEL_BIGMODEL_EXTRA_CASES=/tmp/fuzz.json cargo test -p accel-bigmodel --test device_map_cases
 
-Same format as shared/spec/device_map_cases.md, plus, per case:
+Same format as device_map_cases.md (beside this file), plus, per case:
   exact_number_types: true   numbers keep Python's int/float type (3.0 stays 3.0)
   order_unchecked: [keys]    outputs whose key order depends on PYTHONHASHSEED
                              (clean_device_map iterates a set); their values are still checked

@@ -21,10 +21,9 @@ use crate::{Error, Result};
 /// [`crate::Accelerator::prepare_fsdp_model`].
 ///
 /// The model's forward reaches its parameters through this handle: the
-/// parameters outside every wrapped unit through [`FsdpModel::root`], once
-/// per forward, and each wrapped unit through [`FsdpModel::forward_unit`],
-/// which gathers the unit's parameters for the unit's computation and frees
-/// them after (or keeps them, depending on the strategy). Pass
+/// parameters outside every wrapped unit once per forward, and each wrapped
+/// unit's when the unit runs, gathered for the unit's computation and freed
+/// after (or kept, depending on the strategy). Pass
 /// [`FsdpModel::params`] to `prepare_optimizer`: the optimizer then updates
 /// this rank's fp32 pieces only, so its state is sharded too.
 ///

@@ -1,6 +1,6 @@
 //! A prepared model: its parameters, their fp32 master copies and the
 //! accumulated gradients, shared between the Accelerator and the optimizer,
-//! and the [`SyncStrategy`] that keeps them in step across ranks.
+//! and the `SyncStrategy` that keeps them in step across ranks.
 //!
 //! How a model is run (one process, replicated with DDP buckets, sharded
 //! with ZeRO-1/2/3) is a type held inside the model, as burn keeps its

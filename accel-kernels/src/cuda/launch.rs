@@ -13,11 +13,11 @@ use candle_core::cuda::CudaDevice;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    result, sys, CudaContext, CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
-    PushKernelArg,
+    result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 use super::operands::Table;
+use super::row_args::{RowArgs, ROWS_PER_PARTIAL};
 use super::{function, KernelId, WrapDriver};
 use crate::{Error, Result};
 
@@ -197,52 +197,6 @@ pub(crate) fn launch(
     Ok(())
 }
 
-/// The arguments of each row kernel of `rownorm.cu`, in its parameter
-/// order; the sizes are checked against the views before launching.
-pub(crate) enum RowArgs<'a> {
-    /// `rownorm_fwd(x, w, b, y, rows, d, eps, rms)`.
-    Forward {
-        x: &'a CudaView<'a, f32>,
-        w: &'a CudaView<'a, f32>,
-        b: Option<&'a CudaView<'a, f32>>,
-        y: &'a mut CudaSlice<f32>,
-        rows: u32,
-        d: u32,
-        eps: f32,
-        rms: bool,
-    },
-    /// `rownorm_bwd_dx(x, w, g, dx, stats, rows, d, eps, rms)`.
-    BackwardDx {
-        x: &'a CudaView<'a, f32>,
-        w: &'a CudaView<'a, f32>,
-        g: &'a CudaView<'a, f32>,
-        dx: &'a mut CudaViewMut<'a, f32>,
-        stats: &'a mut CudaSlice<f32>,
-        rows: u32,
-        d: u32,
-        eps: f32,
-        rms: bool,
-    },
-    /// `rownorm_bwd_partials(x, g, stats, pw, pb, rows, d)`.
-    BackwardPartials {
-        x: &'a CudaView<'a, f32>,
-        g: &'a CudaView<'a, f32>,
-        stats: &'a CudaSlice<f32>,
-        pw: &'a mut CudaSlice<f32>,
-        pb: &'a mut CudaSlice<f32>,
-        rows: u32,
-        d: u32,
-    },
-    /// `rownorm_bwd_sum(pw, pb, dwdb, blocks, d)`.
-    BackwardSum {
-        pw: &'a CudaSlice<f32>,
-        pb: &'a CudaSlice<f32>,
-        dwdb: &'a mut CudaViewMut<'a, f32>,
-        blocks: u32,
-        d: u32,
-    },
-}
-
 /// Warps (rows) per block of the row passes.
 const ROW_WARPS: u32 = 8;
 /// Most blocks of a row pass; more rows are walked grid-stride.
@@ -341,7 +295,7 @@ pub(crate) fn launch_rows(op: &'static str, dev: &CudaDevice, args: RowArgs<'_>)
             d,
         } => {
             let n = rows as usize * d as usize;
-            let blocks = (rows as usize).div_ceil(super::rows::ROWS_PER_PARTIAL);
+            let blocks = (rows as usize).div_ceil(ROWS_PER_PARTIAL);
             if x.len() < n
                 || g.len() < n
                 || stats.len() < 2 * rows as usize

@@ -65,6 +65,7 @@ mod launch;
 mod operands;
 mod ops;
 mod pool;
+mod row_args;
 mod rows;
 
 use std::collections::HashMap;

@@ -3,7 +3,7 @@
 //! candle storages and layouts, which is what a `CustomOp`'s `cuda_fwd` is
 //! handed, so that accel-nn's norm ops run as one kernel forward and three
 //! backward on CUDA instead of some thirty composed candle ops, each with its
-//! own allocation and launch (the GPU training step of the README is bound by
+//! own allocation and launch (the GPU training step of BENCHMARKS.md is bound by
 //! exactly that host work).
 //!
 //! Operands go to the kernels as cudarc views, so cudarc's per-allocation
@@ -14,13 +14,10 @@ use candle_core::cuda::CudaStorage;
 use candle_core::Layout;
 use cudarc::driver::{CudaSlice, CudaView};
 
-use super::launch::{launch_rows, RowArgs};
+use super::launch::launch_rows;
+use super::row_args::{RowArgs, ROWS_PER_PARTIAL};
 use super::WrapDriver;
 use crate::{Error, Result};
-
-/// Rows per partial sum of the weight gradients (`ROWS_PER_PARTIAL` in
-/// `rownorm.cu`).
-pub(crate) const ROWS_PER_PARTIAL: usize = 64;
 
 /// The contiguous f32 elements of `(s, l)` as a view; `index` names the
 /// operand in errors.
