@@ -249,7 +249,21 @@ fn a_bypassed_layer_is_named_and_an_error_at_2_ranks_unless_accepted_or_frozen()
             "{e}"
         );
     }
-    // Accepted: both steps run.
+    // A loss that depends on no parameter of the model: after 4 backwards
+    // that reach none of it, every parameter is named.
+    for (r, v) in run(2, "detached", &["--detached"]).iter().enumerate() {
+        assert_eq!(v["ok"], false, "{v}");
+        assert_eq!(v["step"], 3, "{v}");
+        let e = v["error"].as_str().unwrap();
+        assert!(
+            e.contains(&format!("rank {r}"))
+                && e.contains("4 trainable parameter(s)")
+                && e.contains("none of which reached the model")
+                && e.contains("skipped.bias, skipped.weight, used.bias, used.weight"),
+            "{e}"
+        );
+    }
+    // Accepted: every step runs.
     for v in run(2, "accepted", &["--find-unused"]) {
         assert_eq!(v["ok"], true, "{v}");
         assert_eq!(v["unreached"], skipped);

@@ -6,8 +6,10 @@
 //!   no gradient while the loss still falls (candle #2168); this workspace
 //!   patches candle-nn, but cargo applies a patch only at the top of the
 //!   user's workspace, so a user's crate may still build the upstream one.
-//! * after the first backward that reaches a prepared model, its trainable
-//!   parameters that received no gradient are named: a warning in one
+//! * after the first backward that reaches a prepared model (or the fourth
+//!   that reaches none of it: a loss that depends on none of its
+//!   parameters), its trainable parameters that received no gradient are
+//!   named: a warning in one
 //!   process; at more than one rank an error, as PyTorch's DDP, unless
 //!   `DdpConfig::find_unused_parameters` accepts them.
 
@@ -21,6 +23,11 @@ use crate::{Error, Result};
 
 /// How many parameter names a report lists before "and N more".
 const NAMES_SHOWN: usize = 5;
+
+/// Backwards after which a model that no backward has reached is reported
+/// whole: its loss may depend on none of its parameters (a graph cut above
+/// all of them). Models that take turns (a GAN's two) are reached sooner.
+const REACH_WITHIN: u64 = 4;
 
 /// The lines a user's `Cargo.toml` needs for the patched candle crates.
 pub(crate) const PATCH_LINES: &str = "[patch.crates-io]\n\
@@ -78,14 +85,24 @@ fn listed(names: &[String]) -> String {
 }
 
 /// The report for `unreached`, the trainable parameters of model `model`
-/// that no backward reached at this rank.
-pub(crate) fn unused_report(model: usize, rank: usize, unreached: &[String]) -> String {
+/// that no backward reached at this rank; `never` when no backward reached
+/// the model at all within [`REACH_WITHIN`].
+pub(crate) fn unused_report(
+    model: usize,
+    rank: usize,
+    unreached: &[String],
+    never: bool,
+) -> String {
+    let when = if never {
+        format!("in {REACH_WITHIN} backwards, none of which reached the model,")
+    } else {
+        "in its first backward".to_string()
+    };
     format!(
-        "{} trainable parameter(s) of prepared model {model} received no gradient in its first \
-         backward at rank {rank}: {}. A layer the forward skips, or an op without backward \
-         cutting the graph, leaves them untrained. Freeze them on purpose with \
-         `prepare_model_frozen`; at more than one rank, `DdpConfig::find_unused_parameters` \
-         (`ddp_find_unused_parameters`) accepts them.",
+        "{} trainable parameter(s) of prepared model {model} received no gradient {when} at rank \
+         {rank}: {}. A layer the forward skips, or an op without backward cutting the graph, \
+         leaves them untrained. Freeze them on purpose with `prepare_model_frozen`; at more than \
+         one rank, `DdpConfig::find_unused_parameters` (`ddp_find_unused_parameters`) accepts them.",
         unreached.len(),
         listed(unreached)
     )
@@ -93,10 +110,12 @@ pub(crate) fn unused_report(model: usize, rank: usize, unreached: &[String]) -> 
 
 impl Accelerator {
     /// After a backward: the no-gradient report of each model that a
-    /// backward reached for the first time (at any rank). At more than one
-    /// rank every rank takes part in one small all-reduce per backward until
-    /// every model was reported, so all of them decide alike.
+    /// backward reached for the first time (at any rank), or that none
+    /// reached in [`REACH_WITHIN`] backwards. At more than one rank every
+    /// rank takes part in one small all-reduce per backward until every
+    /// model was reported, so all of them decide alike.
     pub(super) fn report_unused_parameters(&mut self) -> Result<()> {
+        self.backwards += 1;
         let pending: Vec<(usize, (bool, usize))> = (self.models.iter().enumerate())
             .filter_map(|(i, m)| Some((i, m.reach_summary()?)))
             .collect();
@@ -114,7 +133,7 @@ impl Accelerator {
         let mut error = None;
         for (k, (i, _)) in pending.into_iter().enumerate() {
             let (reached_somewhere, most_unreached) = (seen[2 * k] > 0.0, seen[2 * k + 1]);
-            if !reached_somewhere {
+            if !reached_somewhere && self.backwards < REACH_WITHIN {
                 continue;
             }
             let model = &self.models[i];
@@ -135,11 +154,12 @@ impl Accelerator {
                              `DdpConfig::find_unused_parameters` accepts it"
                         )
                     } else {
-                        unused_report(i, self.process_index(), &unreached)
+                        unused_report(i, self.process_index(), &unreached, !reached_somewhere)
                     },
                 });
             } else if !unreached.is_empty() {
-                crate::notice::warn(&unused_report(i, self.process_index(), &unreached));
+                let report = unused_report(i, self.process_index(), &unreached, !reached_somewhere);
+                crate::notice::warn(&report);
             }
         }
         error.map_or(Ok(()), Err)
@@ -170,7 +190,7 @@ mod tests {
     #[test]
     fn a_report_names_the_first_parameters_and_counts_the_rest() {
         let names: Vec<String> = (0..7).map(|i| format!("layer.{i}.weight")).collect();
-        let msg = unused_report(0, 1, &names);
+        let msg = unused_report(0, 1, &names, false);
         assert!(
             msg.starts_with("7 trainable parameter(s) of prepared model 0"),
             "{msg}"

@@ -80,6 +80,9 @@ pub struct Accelerator {
     loaders: Vec<Arc<Mutex<LoaderPosition>>>,
     custom: Vec<SharedCheckpointable>,
     trackers: Trackers,
+    /// `backward` calls so far (the no-gradient report gives up waiting on a
+    /// model no backward reaches after a few).
+    backwards: u64,
 }
 
 impl Accelerator {
@@ -173,6 +176,7 @@ impl Accelerator {
             loaders: vec![],
             custom: vec![],
             trackers: Trackers::default(),
+            backwards: 0,
             config,
         })
     }

@@ -32,7 +32,7 @@ enum Mode {
     FailedSave,
     /// Report the random state before and after `synchronize_rng_states`.
     RngSync,
-    /// Train two steps of a model whose forward bypasses a layer; report
+    /// Train six steps of a model whose forward bypasses a layer; report
     /// the outcome, the parameters no backward reached and whether the
     /// bypassed layer's weights changed.
     Unused,
@@ -63,6 +63,9 @@ struct Args {
     /// Freeze the bypassed layer (unused mode).
     #[arg(long)]
     freeze_skipped: bool,
+    /// Take a loss that depends on no parameter of the model (unused mode).
+    #[arg(long)]
+    detached: bool,
 }
 
 fn main() -> Result<()> {
@@ -222,9 +225,14 @@ fn unused(args: &Args) -> Result<(usize, serde_json::Value)> {
     let before = skipped(&model)?;
     let mut opt = acc.prepare_optimizer(&model, AdamW::new(AdamWConfig::default()));
     let x = Tensor::ones((3, 4), DType::F32, &Device::Cpu)?;
+    let outside = candle_core::Var::ones(3, DType::F32, &Device::Cpu)?;
     let mut outcome = json!({ "ok": true });
-    for step in 0..2 {
-        let loss = used.forward(&x)?.sqr()?.mean_all()?;
+    for step in 0..6 {
+        let loss = if args.detached {
+            outside.as_tensor().sqr()?.mean_all()?
+        } else {
+            used.forward(&x)?.sqr()?.mean_all()?
+        };
         if let Err(e) = acc.backward(&loss) {
             outcome = json!({ "ok": false, "error": e.to_string(), "step": step });
             break;
