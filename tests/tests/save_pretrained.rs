@@ -49,7 +49,9 @@ fn fine_tuned(acc: &mut Accelerator, dir: &Path) -> (AutoModel, PreparedModel, T
     };
     let cfg = ModelConfig::Llama(cfg);
     let (model, params) = acc
-        .prepare_pretrained(dir, |vb| AutoModel::new(&cfg, vb))
+        .prepare_pretrained(dir, |vb| {
+            AutoModel::new(&cfg, vb).map_err(accel_core::Error::from)
+        })
         .unwrap();
     let mut opt = acc.prepare_optimizer(&params, AdamW::new(AdamWConfig::default()));
     let ids = Tensor::new(&[[1u32, 40, 21, 99, 7, 3]], acc.device()).unwrap();
