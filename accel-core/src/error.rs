@@ -29,6 +29,17 @@ pub enum Error {
     Models(Box<accel_models::Error>),
 
     // === files and formats ===
+    /// A dataset file that cannot be used: a bad line (`line`, 1-based), or
+    /// the whole file (`line` 0: empty, too short for a window).
+    #[error("{}{}: {reason}", path.display(), if *line > 0 { format!(", line {line}") } else { String::new() })]
+    Dataset {
+        /// The file.
+        path: PathBuf,
+        /// The line at fault, from 1; 0 for the file as a whole.
+        line: usize,
+        /// What is wrong.
+        reason: String,
+    },
     /// Reading or writing a file failed.
     #[error("{op} {}: {source}", path.display())]
     Io {

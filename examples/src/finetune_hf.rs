@@ -38,8 +38,28 @@ pub struct Args {
     #[arg(long)]
     pub model: PathBuf,
     /// JSON file: an array of equal-length token-id sequences, the batch of every step.
+    #[arg(long, required_unless_present = "data", conflicts_with = "data")]
+    pub data_ids: Option<PathBuf>,
+    /// JSON Lines file of examples, `{"text": ...}` or `{"prompt": ..., "completion": ...}`
+    /// (loss on the completion), tokenized with the folder's tokenizer.json; batches of
+    /// `--batch-size` windows, shuffled per epoch with the seed and split across ranks.
     #[arg(long)]
-    pub data_ids: PathBuf,
+    pub data: Option<PathBuf>,
+    /// Tokens per window of `--data`.
+    #[arg(long, default_value_t = 512)]
+    pub seq_len: usize,
+    /// Truncate or pad each `--data` example to a window instead of packing them end to end.
+    #[arg(long)]
+    pub no_packing: bool,
+    /// Windows of `--data` held out; their mean loss is printed after training.
+    #[arg(long, default_value_t = 0.0)]
+    pub eval_fraction: f64,
+    /// Windows per step and process with `--data`.
+    #[arg(long, default_value_t = 8)]
+    pub batch_size: usize,
+    /// Seed of the shuffle and the held-out split.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
     /// Optimizer steps to run.
     #[arg(long, default_value_t = 10)]
     pub steps: u64,
@@ -123,7 +143,7 @@ pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(u
 }
 
 /// Vocabulary size of a decoder config; BERT is refused.
-fn decoder_vocab(cfg: &ModelConfig, dir: &Path) -> Result<usize> {
+pub(crate) fn decoder_vocab(cfg: &ModelConfig, dir: &Path) -> Result<usize> {
     match cfg {
         ModelConfig::Llama(c) => Ok(c.vocab_size),
         ModelConfig::Gpt2(c) => Ok(c.vocab_size),
@@ -143,7 +163,7 @@ fn build(cfg: &ModelConfig, vb: candle_nn::VarBuilder) -> accel_core::Result<Aut
 /// Builds the model as the run trains (plain, DDP or FSDP), its parameters
 /// starting from the folder's weights, and returns it with its parameters
 /// and the `sharding` value of the setup line.
-fn prepare_model(
+pub(crate) fn prepare_model(
     acc: &mut Accelerator,
     cfg: &ModelConfig,
     dir: &Path,
@@ -172,13 +192,16 @@ fn prepare_model(
 pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     let cfg = accel_core::models::ModelConfig::from_path(&args.model)?;
     let vocab = decoder_vocab(&cfg, &args.model)?;
-    let batch = read_batch(&args.data_ids, vocab)?;
-
     let config = AcceleratorConfig {
         // Unset: Accelerator::new takes the launcher's precision, then `no`.
         mixed_precision: args.mixed_precision,
+        seed: Some(args.seed),
         ..Default::default()
     };
+    let Some(data_ids) = &args.data_ids else {
+        return crate::finetune_data::run(args, &cfg, config, out);
+    };
+    let batch = read_batch(data_ids, vocab)?;
     let mut acc = Accelerator::new(config)?;
     let (model, params, sharding) = prepare_model(&mut acc, &cfg, &args.model)?;
     let mut opt = acc.prepare_optimizer(
@@ -191,7 +214,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     );
 
     let (world, rank) = (acc.num_processes(), acc.process_index());
-    let (start, end) = rank_share(batch.len(), world, rank, &args.data_ids)?;
+    let (start, end) = rank_share(batch.len(), world, rank, data_ids)?;
     let len = batch[0].len();
     let mine: Vec<u32> = batch[start..end].iter().flatten().copied().collect();
     let ids = Tensor::from_vec(mine, (end - start, len), acc.device())?;

@@ -69,6 +69,7 @@
 
 pub mod devices;
 pub mod finetune_candle;
+pub mod finetune_data;
 pub mod finetune_hf;
 pub mod generate;
 pub mod gpt;

@@ -339,3 +339,89 @@ fn the_trainer_fine_tunes_an_hf_folder_from_its_weights() {
         assert!(after < before - 0.1, "{name}: {before} -> {after}");
     }
 }
+
+/// `--data FILE`: a JSON Lines dataset of text and prompt/completion
+/// examples, packed into windows, a tenth held out. At one process and at
+/// two ranks the loss falls, the held-out loss is printed, and
+/// `--output-dir` writes a folder that loads with the source's config.
+#[test]
+fn a_jsonl_dataset_trains_at_one_and_two_ranks_and_saves_a_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("train.jsonl");
+    let mut lines: Vec<String> = (0..30)
+        .map(|i| format!(r#"{{"text": "the quick brown fox {i} jumps over the lazy dog"}}"#))
+        .collect();
+    lines.extend((0..10).map(|_| r#"{"prompt": "the quick", "completion": " brown fox"}"#.into()));
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let model = fixture("llama");
+    for world in [1usize, 2] {
+        let out_dir = tmp.path().join(format!("out{world}"));
+        let args: Vec<String> = [
+            "--model",
+            &model.display().to_string(),
+            "--data",
+            &data.display().to_string(),
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--steps",
+            "6",
+            "--lr",
+            "1e-2",
+            "--eval-fraction",
+            "0.1",
+            "--output-dir",
+            &out_dir.display().to_string(),
+            "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let cmd = if world == 1 {
+            let mut c = Command::new(WORKER);
+            c.args(&args);
+            c
+        } else {
+            let mut c = Command::new(LAUNCH);
+            c.args(["launch", "--num_processes", "2", "--cpu", WORKER])
+                .args(&args);
+            c
+        };
+        let (ok, out, err) = run(cmd);
+        assert!(ok, "world {world}: {err}\n{out}");
+        let lines: Vec<Value> = out
+            .lines()
+            .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
+            .filter(|l| l.starts_with('{'))
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let setup = &lines[0]["setup"];
+        assert_eq!(setup["world_size"], world, "{setup}");
+        let (train, eval) = (
+            setup["train_windows"].as_u64().unwrap(),
+            setup["eval_windows"].as_u64().unwrap(),
+        );
+        assert!(train > 0 && eval == (train + eval).div_ceil(10), "{setup}");
+        let losses: Vec<f64> = lines[1..7]
+            .iter()
+            .map(|l| l["loss"].as_f64().unwrap())
+            .collect();
+        assert!(
+            losses[5] < losses[0],
+            "world {world}: the loss did not fall: {losses:?}"
+        );
+        let eval_loss = lines[7]["eval_loss"].as_f64().unwrap();
+        assert!(eval_loss.is_finite(), "{}", lines[7]);
+        assert_eq!(
+            std::fs::read(out_dir.join("config.json")).unwrap(),
+            std::fs::read(model.join("config.json")).unwrap()
+        );
+        accel_core::models::AutoModel::load(
+            &out_dir,
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap();
+    }
+}

@@ -1,9 +1,11 @@
 //! Datasets and the seedable, resumable data loader.
 
+mod jsonl;
 mod loader;
 mod sampler;
 mod shard;
 
+pub use jsonl::{JsonlDataset, JsonlOptions, IGNORE};
 pub use loader::{DataLoader, DataLoaderConfig, LoaderIter, LoaderPosition};
 pub use sampler::batch_indices;
 pub use shard::{remainder, shard_batches, sharded_len, ShardConfig};
