@@ -14,7 +14,7 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use serde_json::json;
 
-use crate::finetune_hf::{decoder_vocab, prepare_model, Args};
+use crate::finetune_hf::{decoder_vocab, parameter_counts, prepare_model, Args};
 
 /// Positions whose next-token label the loss counts: labels `[1..]` not ignored.
 fn counted(labels: &Tensor) -> Result<f64> {
@@ -89,10 +89,12 @@ pub fn run(
     );
     let main = acc.is_main_process();
     let world = acc.num_processes();
+    let (trainable, all) = parameter_counts(&params, &args.model)?;
     let setup = format!(
-        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {world}, "sharding": {sharding}, "train_windows": {windows}, "eval_windows": {}, "seq_len": {}}}}}"#,
+        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {world}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {}, "train_windows": {windows}, "eval_windows": {}, "seq_len": {}}}}}"#,
         json!(acc.distributed_type().to_string()),
         json!(acc.mixed_precision().to_string()),
+        args.batch_size * args.seq_len * world,
         eval.len(),
         args.seq_len,
     );

@@ -142,6 +142,31 @@ pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(u
     Ok((rank * per, (rank + 1) * per))
 }
 
+/// The setup line's `trainable_parameters` and `all_parameters`: counted
+/// from the checkpoint's shapes of the model's parameters, so every rank of
+/// a sharded run reports the whole model's, as PEFT's
+/// `print_trainable_parameters` counts (each tied weight once).
+///
+/// # Errors
+/// A parameter the checkpoint does not hold.
+pub(crate) fn parameter_counts(params: &PreparedModel, dir: &Path) -> Result<(usize, usize)> {
+    let source = accel_core::bigmodel::CheckpointSource::open(dir)?;
+    let frozen: std::collections::HashSet<String> =
+        params.frozen_parameters().into_iter().collect();
+    let (mut trainable, mut all) = (0, 0);
+    for name in params.names() {
+        let at = source
+            .locate(&name)
+            .with_context(|| format!("{}: no tensor `{name}`", dir.display()))?;
+        let n: usize = at.shape().iter().product();
+        all += n;
+        if !frozen.contains(&name) {
+            trainable += n;
+        }
+    }
+    Ok((trainable, all))
+}
+
 /// Vocabulary size of a decoder config; BERT is refused.
 pub(crate) fn decoder_vocab(cfg: &ModelConfig, dir: &Path) -> Result<usize> {
     match cfg {
@@ -223,10 +248,12 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
 
     let main = acc.is_main_process();
     // Written by hand to keep the keys in this order (serde_json sorts them).
+    let (trainable, all) = parameter_counts(&params, &args.model)?;
     let setup = format!(
-        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {world}, "sharding": {sharding}}}}}"#,
+        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {world}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {}}}}}"#,
         json!(acc.distributed_type().to_string()),
         json!(acc.mixed_precision().to_string()),
+        batch.len() * len,
     );
     if main {
         if args.json {

@@ -398,6 +398,11 @@ fn a_jsonl_dataset_trains_at_one_and_two_ranks_and_saves_a_folder() {
             .collect();
         let setup = &lines[0]["setup"];
         assert_eq!(setup["world_size"], world, "{setup}");
+        // transformers: sum(p.numel() for p in
+        // AutoModelForCausalLM.from_pretrained(fixture).parameters()) == 26784.
+        assert_eq!(setup["all_parameters"], 26784, "{setup}");
+        assert_eq!(setup["trainable_parameters"], 26784, "{setup}");
+        assert_eq!(setup["tokens_per_step"], 2 * 16 * world, "{setup}");
         let (train, eval) = (
             setup["train_windows"].as_u64().unwrap(),
             setup["eval_windows"].as_u64().unwrap(),
