@@ -5,6 +5,10 @@ use std::path::{Path, PathBuf};
 
 use crate::{Error, Result};
 
+/// A token's characters in the encoded text: `[start, end)`, counted in
+/// characters, not bytes.
+pub type CharSpan = (usize, usize);
+
 /// A Hugging Face fast tokenizer read from `tokenizer.json`.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -101,6 +105,24 @@ impl Tokenizer {
             .encode(text, add_special_tokens)
             .map_err(|e| self.err(e))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` and each token's range of characters (not bytes)
+    /// in it, as Python's `char_to_token` sees them: what chat templates map
+    /// their assistant spans through.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] naming the file.
+    pub fn encode_with_char_offsets(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, Vec<CharSpan>)> {
+        let enc = self
+            .inner
+            .encode_char_offsets(text, add_special_tokens)
+            .map_err(|e| self.err(e))?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
     }
 
     /// Text of `ids`, skipping special tokens when asked.

@@ -68,6 +68,8 @@ pub fn run(
         packing: !args.no_packing,
         eos_token_id: eos,
         pad_token_id: eos.unwrap_or(0),
+        // Only chat examples need it; without one they are an error naming the line.
+        chat: accel_core::data::ChatTemplate::from_folder(&args.model).ok(),
     };
     let mut acc = Accelerator::new(config)?;
     let data = JsonlDataset::open(path, &tokenizer, &options, acc.device())?;

@@ -40,8 +40,9 @@ pub struct Args {
     /// JSON file: an array of equal-length token-id sequences, the batch of every step.
     #[arg(long, required_unless_present = "data", conflicts_with = "data")]
     pub data_ids: Option<PathBuf>,
-    /// JSON Lines file of examples, `{"text": ...}` or `{"prompt": ..., "completion": ...}`
-    /// (loss on the completion), tokenized with the folder's tokenizer.json; batches of
+    /// JSON Lines file of examples, `{"text": ...}`, `{"prompt": ..., "completion": ...}`
+    /// (loss on the completion) or `{"messages": [...]}` (the folder's chat template; loss on
+    /// the assistant's turns), tokenized with the folder's tokenizer.json; batches of
     /// `--batch-size` windows, shuffled per epoch with the seed and split across ranks.
     #[arg(long)]
     pub data: Option<PathBuf>,

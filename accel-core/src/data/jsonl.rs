@@ -2,11 +2,14 @@
 //! cut into fixed-length windows for a causal language model, as TRL's
 //! `SFTTrainer` prepares a dataset.
 //!
-//! Each line is one example, in one of two shapes:
+//! Each line is one example, in one of three shapes:
 //!
 //! * `{"text": "..."}`: the loss is on every token;
 //! * `{"prompt": "...", "completion": "..."}`: the loss is on the completion
-//!   only (the prompt's labels are ignored).
+//!   only (the prompt's labels are ignored);
+//! * `{"messages": [{"role": ..., "content": ...}, ...]}`: rendered with the
+//!   model's chat template ([`ChatTemplate`](super::ChatTemplate)); the loss
+//!   is on the assistant's tokens only, as TRL's `assistant_only_loss`.
 //!
 //! An example is tokenized with the tokenizer's own special tokens (a Llama
 //! tokenizer adds its BOS, GPT-2's adds nothing) and ends with the model's
@@ -43,6 +46,8 @@ pub struct JsonlOptions {
     pub eos_token_id: Option<u32>,
     /// Fills the windows of short examples without packing.
     pub pad_token_id: u32,
+    /// Renders `{"messages": ...}` examples; without one they are an error.
+    pub chat: Option<super::ChatTemplate>,
 }
 
 impl JsonlOptions {
@@ -53,6 +58,7 @@ impl JsonlOptions {
             packing: true,
             eos_token_id: None,
             pad_token_id: 0,
+            chat: None,
         }
     }
 }
@@ -85,6 +91,57 @@ fn bad_line(path: &Path, line: usize, reason: impl Into<String>) -> Error {
         line,
         reason: reason.into(),
     }
+}
+
+/// The ids and labels of a chat example: its rendering, the loss on the
+/// assistant's tokens only (the template ends the turns: no EOS is added).
+fn chat_example(
+    path: &Path,
+    n: usize,
+    messages: &serde_json::Value,
+    tokenizer: &Tokenizer,
+    options: &JsonlOptions,
+) -> Result<(Vec<u32>, Vec<u32>)> {
+    let Some(template) = &options.chat else {
+        return Err(bad_line(
+            path,
+            n,
+            "chat examples ({\"messages\": [...]}) need the model's chat template \
+             (chat_template.jinja, or chat_template in tokenizer_config.json); none was found",
+        ));
+    };
+    if !template.marks_generation() {
+        return Err(bad_line(
+            path,
+            n,
+            format!(
+                "the chat template ({}) does not mark assistant turns with {{% generation %}}, \
+                 so the loss cannot be limited to them (as TRL's assistant_only_loss); use a \
+                 template that does, or prompt/completion examples",
+                template.path().display()
+            ),
+        ));
+    }
+    let turns = messages.as_array().filter(|m| {
+        m.iter()
+            .all(|t| t.get("role").is_some_and(|r| r.is_string()) && t.get("content").is_some())
+    });
+    if turns.is_none() {
+        return Err(bad_line(
+            path,
+            n,
+            "\"messages\" must be an array of {\"role\": string, \"content\": ...}",
+        ));
+    }
+    let (ids, mask) = template
+        .tokenize(tokenizer, messages, false)
+        .map_err(|e| bad_line(path, n, e.to_string()))?;
+    let labels = ids
+        .iter()
+        .zip(&mask)
+        .map(|(&id, &m)| if m { id } else { IGNORE })
+        .collect();
+    Ok((ids, labels))
 }
 
 impl JsonlDataset {
@@ -120,19 +177,20 @@ impl JsonlDataset {
             }
             let value: serde_json::Value = serde_json::from_str(&line)
                 .map_err(|e| bad_line(path, n, format!("not JSON: {e}")))?;
-            if value.get("messages").is_some() {
-                return Err(bad_line(
-                    path,
-                    n,
-                    "chat examples ({\"messages\": [...]}) are not supported yet; use \
-                     {\"text\": ...} or {\"prompt\": ..., \"completion\": ...}",
-                ));
+            if let Some(messages) = value.get("messages") {
+                let (ids, labels) = chat_example(path, n, messages, tokenizer, options)?;
+                if !ids.is_empty() {
+                    windows.push(&ids, &labels);
+                    examples += 1;
+                }
+                continue;
             }
             let parsed: Line = serde_json::from_value(value).map_err(|_| {
                 bad_line(
                     path,
                     n,
-                    "expected {\"text\": string} or {\"prompt\": string, \"completion\": string}",
+                    "expected {\"text\": string}, {\"prompt\": string, \"completion\": string} \
+                     or {\"messages\": [{\"role\": string, \"content\": string}, ...]}",
                 )
             })?;
             let encode = |text: &str, special: bool| {

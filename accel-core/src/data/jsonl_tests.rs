@@ -28,6 +28,7 @@ fn opts(seq_len: usize, packing: bool) -> JsonlOptions {
         packing,
         eos_token_id: Some(EOS),
         pad_token_id: 0,
+        chat: None,
     }
 }
 
@@ -122,7 +123,7 @@ fn a_bad_line_is_an_error_naming_the_file_and_the_line() {
         ),
         (
             r#"{"messages": [{"role": "user", "content": "hi"}]}"#,
-            "not supported yet",
+            "need the model's chat template",
         ),
     ] {
         let path = file(&dir, &[good, bad, good]);
@@ -196,4 +197,52 @@ fn a_held_out_split_is_seeded_disjoint_and_complete() {
     assert!(ds.clone().split(1.0, 7).is_err());
     let e = ds.split(0.99, 7).unwrap_err().to_string();
     assert!(e.contains("leaves none of the 20 windows"), "{e}");
+}
+
+/// Chat examples train on the assistant's tokens only: the labels are the
+/// ids where transformers' `apply_chat_template` marks the assistant
+/// (`tests/fixtures/chat/reference.json`), ignored elsewhere, and no EOS is
+/// added (the template ends the turns).
+#[test]
+fn chat_examples_train_on_the_assistant_tokens_as_transformers_marks_them() {
+    let chat_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/chat");
+    let text = std::fs::read_to_string(chat_dir.join("reference.json")).unwrap();
+    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let case = &reference["cases"][0];
+    assert_eq!(case["add_generation_prompt"], false);
+    let want_ids: Vec<u32> = serde_json::from_value(case["input_ids"].clone()).unwrap();
+    let mask: Vec<u8> = serde_json::from_value(case["assistant_masks"].clone()).unwrap();
+    let want_labels: Vec<u32> = want_ids
+        .iter()
+        .zip(&mask)
+        .map(|(&id, &m)| if m == 1 { id } else { IGNORE })
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let line = serde_json::json!({ "messages": case["messages"] }).to_string();
+    let path = file(&dir, &[&line]);
+    let options = JsonlOptions {
+        chat: Some(super::super::ChatTemplate::from_folder(&chat_dir).unwrap()),
+        ..opts(want_ids.len(), true)
+    };
+    let tok = Tokenizer::from_file(&chat_dir).unwrap();
+    let ds = JsonlDataset::open(&path, &tok, &options, &Device::Cpu).unwrap();
+    let (ids, labels) = rows(&ds);
+    assert_eq!(ids, vec![want_ids]);
+    assert_eq!(labels, vec![want_labels]);
+    // A template without generation marks cannot limit the loss: an error.
+    let plain = JsonlOptions {
+        chat: Some(super::super::ChatTemplate::new(
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            "",
+            "",
+        )),
+        ..opts(4, true)
+    };
+    let e = JsonlDataset::open(&path, &tok, &plain, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("line 1") && e.contains("{% generation %}"),
+        "{e}"
+    );
 }

@@ -1,10 +1,12 @@
 //! Datasets and the seedable, resumable data loader.
 
+mod chat;
 mod jsonl;
 mod loader;
 mod sampler;
 mod shard;
 
+pub use chat::ChatTemplate;
 pub use jsonl::{JsonlDataset, JsonlOptions, IGNORE};
 pub use loader::{DataLoader, DataLoaderConfig, LoaderIter, LoaderPosition};
 pub use sampler::batch_indices;
