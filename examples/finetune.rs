@@ -17,6 +17,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
+use accel_core::data::{ChatTemplate, Dataset, JsonlDataset, JsonlOptions, IGNORE};
 use accel_core::models::{ModelConfig, Tokenizer};
 use accel_core::prelude::{AnyBlock, Model, PrecisionType, TensorDataset};
 use accel_core::trainer::{
@@ -86,8 +87,16 @@ struct Args {
     /// With --model: train on these token ids (a JSON array of equal-length
     /// sequences; the last tenth, at least one, held out) instead of the
     /// corpus through tokenizer.json.
-    #[arg(long, requires = "model")]
+    #[arg(long, requires = "model", conflicts_with = "data")]
     data_ids: Option<PathBuf>,
+    /// With --model: train on this JSON Lines file (`{"text"}`, `{"prompt", "completion"}` or
+    /// chat `{"messages"}` examples; see finetune_hf) in windows of the model's block size,
+    /// `--eval-fraction` of them held out.
+    #[arg(long, requires = "model")]
+    data: Option<PathBuf>,
+    /// With --data: the fraction of windows held out for evaluation.
+    #[arg(long, default_value_t = 0.1)]
+    eval_fraction: f64,
 }
 
 /// The GPT as a `TrainModel`: batches are (inputs, next characters). Under
@@ -116,10 +125,19 @@ impl TrainModel for CharLm {
     }
 }
 
-/// Fraction of characters predicted exactly.
+/// Fraction of tokens predicted exactly, over the positions the loss counts
+/// (labels other than `IGNORE`).
 fn accuracy(p: &Predictions) -> accel_core::Result<BTreeMap<String, f64>> {
-    let hits = p.predictions.eq(&p.labels)?.to_dtype(DType::F32)?;
-    let acc = hits.mean_all()?.to_scalar::<f32>()? as f64;
+    let predicted = p.predictions.flatten_all()?.to_vec1::<u32>()?;
+    let labels = p.labels.flatten_all()?.to_vec1::<u32>()?;
+    let (mut hits, mut counted) = (0usize, 0usize);
+    for (p, l) in predicted.iter().zip(&labels) {
+        if *l != IGNORE {
+            counted += 1;
+            hits += usize::from(p == l);
+        }
+    }
+    let acc = hits as f64 / counted.max(1) as f64;
     Ok(BTreeMap::from([("accuracy".to_string(), acc)]))
 }
 
@@ -190,8 +208,8 @@ fn training_arguments(cli: &Args) -> TrainingArguments {
 }
 
 /// Trains, evaluates and saves, then prints the result (main process).
-fn finish<M: TrainModel<Batch = Vec<Tensor>>>(
-    mut trainer: Trainer<M, TensorDataset>,
+fn finish<M: TrainModel<Batch = Vec<Tensor>>, D: Dataset<Batch = Vec<Tensor>>>(
+    mut trainer: Trainer<M, D>,
     cli: &Args,
     what: &str,
 ) -> Result<()> {
@@ -229,6 +247,38 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
             dir.display()
         ),
     };
+    let mut args = training_arguments(cli);
+    let probe = accel_core::models::AutoModel::empty(dir, DType::F32)?;
+    args.fsdp_config.transformer_layer_cls_to_wrap = vec![probe.layer_class().into()];
+    drop(probe);
+    let block = positions.min(if cli.tiny { 32 } else { 128 });
+    // Pretrained weights as the fp32 masters and compute copies (or the
+    // FSDP shards); a --resume then continues from its checkpoint instead.
+    let build = |vb| HfLm::new(&cfg, vb);
+    if let Some(file) = &cli.data {
+        let tok = Tokenizer::for_model(dir, vocab)?;
+        let eos = match &cfg {
+            ModelConfig::Llama(c) => c.eos_token_ids.first().copied(),
+            ModelConfig::Gpt2(c) => c.eos_token_id,
+            ModelConfig::Bert(_) => None,
+        };
+        let options = JsonlOptions {
+            seq_len: block,
+            packing: true,
+            eos_token_id: eos,
+            pad_token_id: eos.unwrap_or(0),
+            chat: ChatTemplate::from_folder(dir).ok(),
+        };
+        let data = JsonlDataset::open(file, &tok, &options, &Device::Cpu)?;
+        let (train, eval) = data.split(cli.eval_fraction, cli.seed)?;
+        let trainer = Trainer::from_pretrained(args, dir, build, train, Some(eval))?
+            .with_compute_metrics(accuracy);
+        return finish(
+            trainer,
+            cli,
+            &format!("{} on {}", dir.display(), file.display()),
+        );
+    }
     let (train, eval, source) = match &cli.data_ids {
         Some(file) => {
             let seqs = read_batch(file, vocab)?;
@@ -248,20 +298,12 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
                     dir.display()
                 )
             })?;
-            let block = positions.min(if cli.tiny { 32 } else { 128 });
             let (train_text, eval_text) = split_corpus();
             let train = id_windows(&tok.encode(&train_text, false)?, block)?;
             let eval = id_windows(&tok.encode(&eval_text, false)?, block)?;
             (train, eval, tok.path().display().to_string())
         }
     };
-    let mut args = training_arguments(cli);
-    let probe = accel_core::models::AutoModel::empty(dir, DType::F32)?;
-    args.fsdp_config.transformer_layer_cls_to_wrap = vec![probe.layer_class().into()];
-    drop(probe);
-    // Pretrained weights as the fp32 masters and compute copies (or the
-    // FSDP shards); a --resume then continues from its checkpoint instead.
-    let build = |vb| HfLm::new(&cfg, vb);
     let trainer = Trainer::from_pretrained(args, dir, build, train, Some(eval))?
         .with_compute_metrics(accuracy);
     finish(trainer, cli, &format!("{} on {source}", dir.display()))

@@ -167,8 +167,11 @@ impl accel_core::nn::Model for HfLm {
 impl accel_core::TrainModel for HfLm {
     type Batch = Vec<candle_core::Tensor>;
 
+    /// `batch` is `[ids]` (every token counts) or `[ids, labels]` (a
+    /// [`JsonlDataset`](accel_core::data::JsonlDataset)'s, ignored positions
+    /// `u32::MAX`).
     fn loss(&self, batch: &Self::Batch) -> accel_core::Result<candle_core::Tensor> {
-        Ok(self.0.loss(&batch[0], &batch[0])?)
+        Ok(self.0.loss(&batch[0], batch.get(1).unwrap_or(&batch[0]))?)
     }
 
     fn predictions(
@@ -180,7 +183,7 @@ impl accel_core::TrainModel for HfLm {
         let logits = self.0.forward(ids)?;
         Ok(Some(accel_core::trainer::Predictions {
             predictions: logits.narrow(1, 0, t - 1)?.argmax(candle_core::D::Minus1)?,
-            labels: ids.narrow(1, 1, t - 1)?,
+            labels: batch.get(1).unwrap_or(ids).narrow(1, 1, t - 1)?,
         }))
     }
 }

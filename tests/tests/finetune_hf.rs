@@ -430,3 +430,54 @@ fn a_jsonl_dataset_trains_at_one_and_two_ranks_and_saves_a_folder() {
         .unwrap();
     }
 }
+
+/// The Trainer on a [`JsonlDataset`](accel_core::data::JsonlDataset)
+/// (`finetune --model DIR --data FILE`): prompt/completion examples whose
+/// prompts the loss ignores; the held-out loss falls, and `save_model`
+/// writes a folder with the source's config and tokenizer that loads.
+#[test]
+fn the_trainer_trains_on_a_jsonl_dataset_and_saves_an_hf_folder() {
+    use accel_core::data::{JsonlDataset, JsonlOptions};
+    use accel_core::models::{AutoModel, ModelConfig, Tokenizer};
+    use accel_core::trainer::{Trainer, TrainingArguments};
+    use accel_examples::hf::HfLm;
+    use candle_core::{DType, Device};
+
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("train.jsonl");
+    let lines: Vec<String> = (0..40)
+        .map(|i| format!(r#"{{"prompt": "the quick {i}", "completion": " brown fox jumps"}}"#))
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let dir = fixture("llama");
+    let cfg = ModelConfig::from_path(&dir).unwrap();
+    let tok = Tokenizer::from_file(&dir).unwrap();
+    let mut options = JsonlOptions::new(16);
+    options.eos_token_id = Some(2);
+    let ds = JsonlDataset::open(&data, &tok, &options, &Device::Cpu).unwrap();
+    let (train, eval) = ds.split(0.2, 3).unwrap();
+    let out = tmp.path().join("run");
+    let mut args = TrainingArguments::new(&out)
+        .with_max_steps(8)
+        .with_batch_size(4)
+        .with_learning_rate(1e-2);
+    args.use_cpu = true;
+    args.disable_tqdm = true;
+    args.report_to = vec![];
+    let build = |vb| HfLm::new(&cfg, vb);
+    let mut trainer = Trainer::from_pretrained(args, &dir, build, train, Some(eval)).unwrap();
+    let before = trainer.evaluate().unwrap()["eval_loss"];
+    trainer.train().unwrap();
+    let after = trainer.evaluate().unwrap()["eval_loss"];
+    assert!(after < before - 0.1, "{before} -> {after}");
+    let model_dir = out.join("model");
+    trainer.save_model(&model_dir).unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        assert_eq!(
+            std::fs::read(model_dir.join(f)).unwrap(),
+            std::fs::read(dir.join(f)).unwrap(),
+            "{f}"
+        );
+    }
+    AutoModel::load(&model_dir, DType::F32, &Device::Cpu).unwrap();
+}
