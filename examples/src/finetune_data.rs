@@ -6,7 +6,6 @@
 use std::io::Write;
 
 use accel_core::data::{DataLoader, DataLoaderConfig, Dataset, JsonlDataset, JsonlOptions, IGNORE};
-use accel_core::dist::ReduceOp;
 use accel_core::models::{AutoModel, ModelConfig, Tokenizer};
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig};
@@ -14,7 +13,9 @@ use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use serde_json::json;
 
-use crate::finetune_hf::{decoder_vocab, parameter_counts, prepare_model, Args};
+use crate::finetune_hf::{
+    decoder_vocab, global_mean, parameter_counts, prepare_model, print_step, save_and_end, Args,
+};
 
 /// Positions whose next-token label the loss counts: labels `[1..]` not ignored.
 fn counted(labels: &Tensor) -> Result<f64> {
@@ -23,19 +24,6 @@ fn counted(labels: &Tensor) -> Result<f64> {
         .iter()
         .map(|r| r.iter().skip(1).filter(|&&l| l != IGNORE).count())
         .sum::<usize>() as f64)
-}
-
-/// The mean loss over every rank's counted tokens: `sum(loss_r * n_r) / sum(n_r)`.
-fn global_mean(acc: &Accelerator, loss: &Tensor, tokens: f64) -> Result<f64> {
-    let local = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    let local = if tokens > 0.0 { local * tokens } else { 0.0 };
-    let parts = Tensor::new(&[local, tokens], acc.device())?;
-    let sums = acc.reduce(&parts, ReduceOp::Sum)?.to_vec1::<f64>()?;
-    Ok(if sums[1] > 0.0 {
-        sums[0] / sums[1]
-    } else {
-        f64::NAN
-    })
 }
 
 fn loss_of(model: &AutoModel, batch: &[Tensor]) -> Result<(Tensor, f64)> {
@@ -132,12 +120,7 @@ pub fn run(
         opt.step()?;
         opt.zero_grad();
         if main {
-            if args.json {
-                writeln!(out, r#"{{"step": {step}, "loss": {}}}"#, json!(whole))?;
-            } else {
-                writeln!(out, "step {step}: loss {whole:.6}")?;
-            }
-            out.flush()?;
+            print_step(out, args.json, step, whole)?;
         }
     }
     if !eval.is_empty() {
@@ -159,11 +142,5 @@ pub fn run(
             }
         }
     }
-    if let Some(dir) = &args.output_dir {
-        params
-            .save_pretrained(&acc, dir, &args.max_shard_size)
-            .with_context(|| format!("saving the model to --output-dir {}", dir.display()))?;
-    }
-    acc.end_training()?;
-    Ok(())
+    save_and_end(&mut acc, &params, args)
 }

@@ -274,26 +274,51 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     }
     for step in 1..=args.steps {
         let loss = model.loss(&ids, &ids)?;
-        let local = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        // The whole batch's mean: sum over ranks of loss x tokens, over all tokens.
-        let parts = Tensor::new(&[local * tokens, tokens], acc.device())?;
-        let sums = acc.reduce(&parts, ReduceOp::Sum)?.to_vec1::<f64>()?;
-        let whole = sums[0] / sums[1];
+        let whole = global_mean(&acc, &loss, tokens)?;
         acc.backward(&loss)?;
         opt.step()?;
         opt.zero_grad();
         if main {
-            if args.json {
-                writeln!(out, r#"{{"step": {step}, "loss": {}}}"#, json!(whole))?;
-            } else {
-                writeln!(out, "step {step}: loss {whole:.6}")?;
-            }
-            out.flush()?;
+            print_step(out, args.json, step, whole)?;
         }
     }
+    save_and_end(&mut acc, &params, args)
+}
+
+/// The whole batch's mean loss: the sum over ranks of each rank's mean
+/// `loss` times its counted `tokens`, over all counted tokens (a collective).
+pub(crate) fn global_mean(acc: &Accelerator, loss: &Tensor, tokens: f64) -> Result<f64> {
+    let local = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let local = if tokens > 0.0 { local * tokens } else { 0.0 };
+    let parts = Tensor::new(&[local, tokens], acc.device())?;
+    let sums = acc.reduce(&parts, ReduceOp::Sum)?.to_vec1::<f64>()?;
+    Ok(if sums[1] > 0.0 {
+        sums[0] / sums[1]
+    } else {
+        f64::NAN
+    })
+}
+
+/// A step's output line: `{"step": k, "loss": f}` with `json`, else text.
+pub(crate) fn print_step(out: &mut dyn Write, json: bool, step: u64, loss: f64) -> Result<()> {
+    if json {
+        writeln!(out, r#"{{"step": {step}, "loss": {}}}"#, json!(loss))?;
+    } else {
+        writeln!(out, "step {step}: loss {loss:.6}")?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// `--output-dir` (every rank takes part), then the trackers closed.
+pub(crate) fn save_and_end(
+    acc: &mut Accelerator,
+    params: &PreparedModel,
+    args: &Args,
+) -> Result<()> {
     if let Some(dir) = &args.output_dir {
         params
-            .save_pretrained(&acc, dir, &args.max_shard_size)
+            .save_pretrained(acc, dir, &args.max_shard_size)
             .with_context(|| format!("saving the model to --output-dir {}", dir.display()))?;
     }
     acc.end_training()?;
