@@ -302,17 +302,15 @@ impl JsonlDataset {
         Ok((self.subset(&train), self.subset(&eval)))
     }
 
+    /// Windows `rows` of this dataset (without copying the others first).
     fn subset(&self, rows: &[usize]) -> Self {
-        let l = self.seq_len;
-        let take = |v: &[u32]| {
-            rows.iter()
-                .flat_map(|&r| v[r * l..(r + 1) * l].iter().copied())
-                .collect()
-        };
         Self {
-            ids: take(&self.ids),
-            labels: take(&self.labels),
-            ..self.clone()
+            ids: gather_rows(&self.ids, rows, self.seq_len),
+            labels: gather_rows(&self.labels, rows, self.seq_len),
+            seq_len: self.seq_len,
+            examples: self.examples,
+            path: self.path.clone(),
+            device: self.device.clone(),
         }
     }
 }
@@ -326,19 +324,19 @@ impl Dataset for JsonlDataset {
     }
 
     fn get_batch(&self, indices: &[usize]) -> Result<Vec<Tensor>> {
-        let l = self.seq_len;
-        let rows = |v: &[u32]| -> Vec<u32> {
-            indices
-                .iter()
-                .flat_map(|&r| v[r * l..(r + 1) * l].iter().copied())
-                .collect()
-        };
-        let shape = (indices.len(), l);
+        let (l, shape) = (self.seq_len, (indices.len(), self.seq_len));
         Ok(vec![
-            Tensor::from_vec(rows(&self.ids), shape, &self.device)?,
-            Tensor::from_vec(rows(&self.labels), shape, &self.device)?,
+            Tensor::from_vec(gather_rows(&self.ids, indices, l), shape, &self.device)?,
+            Tensor::from_vec(gather_rows(&self.labels, indices, l), shape, &self.device)?,
         ])
     }
+}
+
+/// Rows `rows` of the row-major `n x len` matrix `v`, in that order.
+fn gather_rows(v: &[u32], rows: &[usize], len: usize) -> Vec<u32> {
+    rows.iter()
+        .flat_map(|&r| v[r * len..(r + 1) * len].iter().copied())
+        .collect()
 }
 
 /// Cuts examples into windows as they arrive.
