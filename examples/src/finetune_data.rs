@@ -14,7 +14,7 @@ use candle_core::{DType, Tensor};
 use serde_json::json;
 
 use crate::finetune_hf::{
-    decoder_vocab, global_mean, parameter_counts, prepare_model, print_step, save_and_end, Args,
+    decoder_vocab, global_mean, prepare_model, print_step, save_and_end, setup_line, Args,
 };
 
 /// Positions whose next-token label the loss counts: labels `[1..]` not ignored.
@@ -79,15 +79,13 @@ pub fn run(
     );
     let main = acc.is_main_process();
     let world = acc.num_processes();
-    let (trainable, all) = parameter_counts(&params, &args.model)?;
-    let setup = format!(
-        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {world}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {}, "train_windows": {windows}, "eval_windows": {}, "seq_len": {}}}}}"#,
-        json!(acc.distributed_type().to_string()),
-        json!(acc.mixed_precision().to_string()),
-        args.batch_size * args.seq_len * world,
+    let extra = format!(
+        r#", "train_windows": {windows}, "eval_windows": {}, "seq_len": {}"#,
         eval.len(),
-        args.seq_len,
+        args.seq_len
     );
+    let tokens = args.batch_size * args.seq_len * world;
+    let setup = setup_line(&acc, &params, &args.model, &sharding, tokens, &extra)?;
     if main {
         if args.json {
             writeln!(out, "{setup}")?;

@@ -143,6 +143,29 @@ pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(u
     Ok((rank * per, (rank + 1) * per))
 }
 
+/// The `--json` setup line: the run's kind, then `extra` (`, "key": value`
+/// pairs) before the closing braces. Written by hand to keep the keys in
+/// this order (serde_json sorts them).
+///
+/// # Errors
+/// As [`parameter_counts`].
+pub(crate) fn setup_line(
+    acc: &Accelerator,
+    params: &PreparedModel,
+    dir: &Path,
+    sharding: &Value,
+    tokens_per_step: usize,
+    extra: &str,
+) -> Result<String> {
+    let (trainable, all) = parameter_counts(params, dir)?;
+    Ok(format!(
+        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {tokens_per_step}{extra}}}}}"#,
+        json!(acc.distributed_type().to_string()),
+        json!(acc.mixed_precision().to_string()),
+        acc.num_processes(),
+    ))
+}
+
 /// The setup line's `trainable_parameters` and `all_parameters`: counted
 /// from the checkpoint's shapes of the model's parameters, so every rank of
 /// a sharded run reports the whole model's, as PEFT's
@@ -150,7 +173,7 @@ pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(u
 ///
 /// # Errors
 /// A parameter the checkpoint does not hold.
-pub(crate) fn parameter_counts(params: &PreparedModel, dir: &Path) -> Result<(usize, usize)> {
+fn parameter_counts(params: &PreparedModel, dir: &Path) -> Result<(usize, usize)> {
     let source = accel_core::bigmodel::CheckpointSource::open(dir)?;
     let frozen: std::collections::HashSet<String> =
         params.frozen_parameters().into_iter().collect();
@@ -248,14 +271,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     let tokens = ((end - start) * (len - 1)) as f64;
 
     let main = acc.is_main_process();
-    // Written by hand to keep the keys in this order (serde_json sorts them).
-    let (trainable, all) = parameter_counts(&params, &args.model)?;
-    let setup = format!(
-        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {world}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {}}}}}"#,
-        json!(acc.distributed_type().to_string()),
-        json!(acc.mixed_precision().to_string()),
-        batch.len() * len,
-    );
+    let setup = setup_line(&acc, &params, &args.model, &sharding, batch.len() * len, "")?;
     if main {
         if args.json {
             writeln!(out, "{setup}")?;
