@@ -49,6 +49,14 @@ pub(crate) fn passes_gradient(op: impl Fn(&Tensor) -> candle_core::Result<Tensor
     run().unwrap_or(false)
 }
 
+/// The one-op probe: does candle-nn's fused `layer_norm` pass a gradient back?
+fn fused_norm_passes_gradient() -> bool {
+    passes_gradient(|x| {
+        let (w, b) = (x.ones_like()?.squeeze(0)?, x.zeros_like()?.squeeze(0)?);
+        candle_nn::ops::layer_norm(x, &w, &b, 1e-5)
+    })
+}
+
 /// The start-up warning when candle-nn's fused ops have no backward here.
 pub(crate) fn candle_nn_notice(fused_norm_has_backward: bool) -> Option<String> {
     (!fused_norm_has_backward).then(|| {
@@ -65,10 +73,7 @@ pub(crate) fn candle_nn_notice(fused_norm_has_backward: bool) -> Option<String> 
 pub(crate) fn check_candle_nn_backward() {
     static CHECKED: OnceLock<()> = OnceLock::new();
     CHECKED.get_or_init(|| {
-        let ok = passes_gradient(|x| {
-            let (w, b) = (x.ones_like()?.squeeze(0)?, x.zeros_like()?.squeeze(0)?);
-            candle_nn::ops::layer_norm(x, &w, &b, 1e-5)
-        });
+        let ok = fused_norm_passes_gradient();
         if let Some(msg) = candle_nn_notice(ok) {
             crate::notice::warn(&msg);
         }
@@ -172,10 +177,7 @@ mod tests {
 
     #[test]
     fn the_probe_sees_this_workspaces_patched_candle_nn_backward() {
-        let fused = passes_gradient(|x| {
-            let (w, b) = (x.ones_like()?.squeeze(0)?, x.zeros_like()?.squeeze(0)?);
-            candle_nn::ops::layer_norm(x, &w, &b, 1e-5)
-        });
+        let fused = fused_norm_passes_gradient();
         assert!(
             fused,
             "the patched candle-nn's layer_norm passes a gradient"
