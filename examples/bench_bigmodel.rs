@@ -130,6 +130,7 @@ fn child(dir: &Path, map_file: &Path) -> Result<Value> {
         dtype: None,
         offload_folder: Some(tmp.path().join("offload")),
         main_device: None,
+        adapter: None,
     };
     let (model, report) = AutoModel::load_dispatched(dir, &opts)?;
     let load_s = t.elapsed().as_secs_f64();

@@ -41,6 +41,7 @@ mod device_map;
 mod dtype;
 mod empty;
 mod error;
+pub mod lora;
 pub mod mapped;
 mod memory;
 pub mod offload;

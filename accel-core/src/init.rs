@@ -57,12 +57,20 @@ pub(crate) struct Pieces {
     pub drawn: Arc<Mutex<Vec<DrawnPiece>>>,
 }
 
+/// Selects the parameters a model is prepared with frozen.
+pub(crate) type FrozenFn = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
 /// The seeded `VarBuilder` backend of the Accelerator (plain, DDP and FSDP models).
 pub(crate) struct SeededBackend {
     pub seed: u64,
     pub keep: Keep,
-    /// A checkpoint every parameter starts from, instead of the seed.
+    /// A checkpoint every parameter starts from, instead of the seed; LoRA
+    /// adapter weights it does not hold are drawn.
     pub from: Option<Arc<Pretrained>>,
+    /// Parameters that will not train (a LoRA model's base): a replicated
+    /// model keeps them in the compute dtype only, with no fp32 master, and
+    /// its layers get them detached, so no backward computes their gradient.
+    pub frozen: Option<FrozenFn>,
 }
 
 /// A checkpoint parameters start from, and the names read from it so far.
@@ -96,6 +104,10 @@ impl Pretrained {
 }
 
 impl SeededBackend {
+    fn is_frozen(&self, name: &str) -> bool {
+        self.frozen.as_ref().is_some_and(|f| f(name))
+    }
+
     /// The fp32 starting value of parameter `name` on `dev`: the
     /// checkpoint's tensor (which must exist and have `shape`), else drawn.
     fn initial(
@@ -105,10 +117,28 @@ impl SeededBackend {
         shape: &Shape,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
+        self.initial_as(name, h, shape, dev, DType::F32)
+    }
+
+    /// [`SeededBackend::initial`] in `dtype` (a checkpoint tensor read in
+    /// its own dtype is not widened first).
+    fn initial_as(
+        &self,
+        name: &str,
+        h: Init,
+        shape: &Shape,
+        dev: &Device,
+        dtype: DType,
+    ) -> candle_core::Result<Tensor> {
+        let draw = || Tensor::from_vec(init_values(self.seed, name, h, shape), shape, dev);
         let Some(from) = &self.from else {
-            return Tensor::from_vec(init_values(self.seed, name, h, shape), shape, dev);
+            return draw();
         };
         let source = &from.source;
+        if accel_bigmodel::lora::is_adapter_weight(name) && !source.contains(name) {
+            // A new adapter on a pretrained model: drawn as PEFT inits it.
+            return draw();
+        }
         let Some(at) = source.locate(name) else {
             candle_core::bail!(
                 "parameter `{name}` is not in the checkpoint {}",
@@ -124,7 +154,7 @@ impl SeededBackend {
             )
         }
         let t = source
-            .tensor(name, dev, Some(DType::F32))
+            .tensor(name, dev, Some(dtype))
             .map_err(candle_core::Error::wrap)?;
         from.used
             .lock()
@@ -183,7 +213,16 @@ impl FullVars {
                     t.shape()
                 );
             }
-            return t.to_dtype(dtype);
+            let t = t.to_dtype(dtype)?;
+            // A tied weight asked for again stays as frozen as the first time.
+            return Ok(if init.is_frozen(name) { t.detach() } else { t });
+        }
+        if init.is_frozen(name) {
+            let value = init.initial_as(name, h, &s, dev, dtype)?;
+            let var = Var::from_tensor(&value.to_dtype(dtype)?)?;
+            let t = var.as_tensor().detach();
+            data.insert(name.to_string(), var);
+            return Ok(t);
         }
         let master = init.initial(name, h, &s, dev)?;
         let var = if dtype == DType::F32 {

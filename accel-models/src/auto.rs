@@ -1,7 +1,9 @@
 //! [`AutoModel`]: any supported checkpoint folder, picked by `model_type`.
 
 use std::path::Path;
+use std::sync::Arc;
 
+use accel_bigmodel::lora::LoraAdapter;
 use accel_bigmodel::{
     infer_auto_device_map, CheckpointSource, DeviceMap, EmptyWeights, ModuleTree, PlanOptions,
 };
@@ -46,9 +48,28 @@ impl AutoModel {
     /// Those of [`ModelConfig::from_path`]; a missing shard, tensor or shape
     /// mismatch, naming the file and the tensor.
     pub fn load(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
+        Self::load_with_adapter(dir, None, dtype, device)
+    }
+
+    /// [`AutoModel::load`] with a PEFT LoRA adapter folder merged into the
+    /// weights it adapts as they are read: the model PEFT's
+    /// `PeftModel.from_pretrained(base, adapter).merge_and_unload()` gives.
+    ///
+    /// # Errors
+    /// As [`AutoModel::load`]; a bad adapter folder (see [`LoraAdapter::open`])
+    /// or one adapting modules the model lacks.
+    pub fn load_with_adapter(
+        dir: impl AsRef<Path>,
+        adapter: Option<&Path>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let dir = dir.as_ref();
         let cfg = ModelConfig::from_path(dir)?;
-        let source = CheckpointSource::open(dir)?;
+        let mut source = CheckpointSource::open(dir)?;
+        if let Some(adapter) = adapter {
+            source = source.with_adapter(Arc::new(LoraAdapter::open(adapter)?))?;
+        }
         Self::new(
             &cfg,
             VarBuilder::from_backend(Box::new(source), dtype, device.clone()),

@@ -90,6 +90,8 @@ impl BertLayer {
     fn new(cfg: &BertConfig, vb: VarBuilder) -> candle_core::Result<Self> {
         let (d, i, eps) = (cfg.hidden_size, cfg.intermediate_size, cfg.layer_norm_eps);
         let att = vb.pp("attention");
+        let linear =
+            |i, o, vb: VarBuilder| linear(i, o, vb.clone())?.with_lora(cfg.lora.as_ref(), &vb);
         Ok(Self {
             n_head: cfg.num_attention_heads,
             act: cfg.hidden_act,

@@ -7,7 +7,8 @@
 
 use std::path::{Path, PathBuf};
 
-use accel_nn::layers::{Activation, Llama3RopeScaling};
+use accel_bigmodel::lora::LoraConfig;
+use accel_nn::layers::{Activation, Llama3RopeScaling, LoraSpec};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
@@ -129,6 +130,9 @@ pub struct LlamaConfig {
     pub sliding_window: Option<usize>,
     /// Token ids that end generation (`eos_token_id`, one or a list).
     pub eos_token_ids: Vec<u32>,
+    /// LoRA adapters to build on the linear layers (not in `config.json`;
+    /// see [`ModelConfig::set_lora`]).
+    pub lora: Option<LoraSpec>,
 }
 
 impl LlamaConfig {
@@ -222,6 +226,7 @@ impl LlamaConfig {
             tie_word_embeddings: raw.tie_word_embeddings,
             sliding_window,
             eos_token_ids: token_ids(raw.eos_token_id.as_ref()),
+            lora: None,
         })
     }
 }
@@ -270,6 +275,9 @@ pub struct Gpt2Config {
     /// Token id that ends generation.
     #[serde(default)]
     pub eos_token_id: Option<u32>,
+    /// LoRA adapters (see [`ModelConfig::set_lora`]).
+    #[serde(skip)]
+    pub lora: Option<LoraSpec>,
 }
 
 fn gpt2_eps() -> f64 {
@@ -309,6 +317,9 @@ pub struct BertConfig {
     /// Only `absolute` is implemented.
     #[serde(default = "absolute")]
     pub position_embedding_type: String,
+    /// LoRA adapters (see [`ModelConfig::set_lora`]).
+    #[serde(skip)]
+    pub lora: Option<LoraSpec>,
 }
 
 fn two() -> usize {
@@ -336,6 +347,32 @@ pub enum ModelConfig {
 }
 
 impl ModelConfig {
+    /// Builds the model with LoRA adapters on the linear layers `config`
+    /// targets (PEFT's `get_peft_model`), and returns the spec the layers
+    /// share (its training switch turns the adapters' dropout on). GPT-2's
+    /// `Conv1D` weights are stored `[in, out]`, so its adapters record
+    /// `fan_in_fan_out`, as PEFT sets it.
+    pub fn set_lora(&mut self, mut config: LoraConfig) -> LoraSpec {
+        config.fan_in_fan_out = matches!(self, Self::Gpt2(_));
+        let spec = LoraSpec::new(config);
+        let slot = match self {
+            Self::Llama(c) => &mut c.lora,
+            Self::Gpt2(c) => &mut c.lora,
+            Self::Bert(c) => &mut c.lora,
+        };
+        *slot = Some(spec.clone());
+        spec
+    }
+
+    /// The LoRA adapters the model is built with, if any.
+    pub fn lora(&self) -> Option<&LoraSpec> {
+        match self {
+            Self::Llama(c) => c.lora.as_ref(),
+            Self::Gpt2(c) => c.lora.as_ref(),
+            Self::Bert(c) => c.lora.as_ref(),
+        }
+    }
+
     /// Reads `config.json` from a checkpoint folder (or the file itself).
     ///
     /// # Errors

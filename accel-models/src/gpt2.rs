@@ -13,7 +13,7 @@ use std::path::Path;
 
 use accel_bigmodel::{CheckpointSource, ModuleTree};
 use accel_nn::block::{Activations, AnyBlock, Block, BlockForward, KvCacheSlot, Model};
-use accel_nn::layers::{layer_norm, Activation, Embedding, LayerNorm, Linear};
+use accel_nn::layers::{layer_norm, Activation, Embedding, LayerNorm, Linear, LoraSpec};
 use accel_nn::ops;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -36,10 +36,17 @@ const INIT: Init = Init::Randn {
 /// built block is cached and reused while its weights are updated in place
 /// (`PreparedModel::load_checkpoint`, optimizer steps), so a copy taken at
 /// build time would keep the values the weight had then.
-fn conv1d(inp: usize, out: usize, vb: VarBuilder) -> candle_core::Result<Linear> {
+/// With a LoRA adapter where `lora` targets the module (its `A` and `B`
+/// are PEFT's `[r, in]` and `[out, r]` either way).
+fn conv1d(
+    inp: usize,
+    out: usize,
+    vb: VarBuilder,
+    lora: Option<&LoraSpec>,
+) -> candle_core::Result<Linear> {
     let w = vb.get_with_hints((inp, out), "weight", INIT)?;
     let b = vb.get_with_hints(out, "bias", Init::Const(0.0))?;
-    Ok(Linear::new(w.t()?, Some(b)))
+    Linear::new(w.t()?, Some(b)).with_lora(lora, &vb)
 }
 
 /// The learned position table, added to the token embeddings at the
@@ -85,11 +92,11 @@ impl Gpt2Block {
             scale,
             act: cfg.activation_function,
             ln_1: layer_norm(d, eps, vb.pp("ln_1"))?,
-            c_attn: conv1d(d, 3 * d, vb.pp("attn").pp("c_attn"))?,
-            attn_proj: conv1d(d, d, vb.pp("attn").pp("c_proj"))?,
+            c_attn: conv1d(d, 3 * d, vb.pp("attn").pp("c_attn"), cfg.lora.as_ref())?,
+            attn_proj: conv1d(d, d, vb.pp("attn").pp("c_proj"), cfg.lora.as_ref())?,
             ln_2: layer_norm(d, eps, vb.pp("ln_2"))?,
-            c_fc: conv1d(d, inner, vb.pp("mlp").pp("c_fc"))?,
-            mlp_proj: conv1d(inner, d, vb.pp("mlp").pp("c_proj"))?,
+            c_fc: conv1d(d, inner, vb.pp("mlp").pp("c_fc"), cfg.lora.as_ref())?,
+            mlp_proj: conv1d(inner, d, vb.pp("mlp").pp("c_proj"), cfg.lora.as_ref())?,
         })
     }
 

@@ -278,6 +278,7 @@ fn main() -> Result<()> {
         dtype: None,
         offload_folder: None,
         main_device: None,
+        adapter: None,
     };
     let report = load_checkpoint_and_dispatch(&model, &dir, &opts)?;
     let load_s = start.elapsed().as_secs_f64();

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device};
 use rayon::prelude::*;
 
+use accel_bigmodel::lora::LoraAdapter;
 use accel_bigmodel::offload::OFFLOAD_INDEX_NAME;
 use accel_bigmodel::{
     infer_auto_device_map, is_placeholder, offload_state_dict, CheckpointSource, DeviceMap,
@@ -225,6 +226,9 @@ pub struct LoadDispatchOptions {
     pub offload_folder: Option<PathBuf>,
     /// Where offloaded parts execute (see [`DispatchOptions::main_device`]).
     pub main_device: Option<Device>,
+    /// A PEFT LoRA adapter folder merged into the weights as they are read
+    /// (`PeftModel.from_pretrained(...).merge_and_unload()`).
+    pub adapter: Option<PathBuf>,
 }
 
 impl LoadDispatchOptions {
@@ -236,6 +240,7 @@ impl LoadDispatchOptions {
             dtype: None,
             offload_folder: None,
             main_device: None,
+            adapter: None,
         }
     }
 
@@ -263,7 +268,10 @@ pub fn load_checkpoint_and_dispatch(
     checkpoint: impl AsRef<Path>,
     opts: &LoadDispatchOptions,
 ) -> Result<DispatchReport> {
-    let source = CheckpointSource::open(checkpoint.as_ref())?;
+    let mut source = CheckpointSource::open(checkpoint.as_ref())?;
+    if let Some(dir) = &opts.adapter {
+        source = source.with_adapter(std::sync::Arc::new(LoraAdapter::open(dir)?))?;
+    }
     let vars = model.named_tensors();
     for (name, var) in &vars {
         let at = source.locate(name).ok_or_else(|| BmError::MissingTensor {

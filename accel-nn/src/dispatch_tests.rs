@@ -47,6 +47,7 @@ fn a_device_map_mixing_cpu_and_disk_gives_the_plain_models_output() {
         dtype: None,
         offload_folder: None,
         main_device: None,
+        adapter: None,
     };
     let report = load_checkpoint_and_dispatch(&model, &ckpt, &opts).unwrap();
     assert_eq!(
@@ -99,6 +100,7 @@ fn auto_planning_with_a_small_cpu_budget_sends_the_rest_to_disk() {
         dtype: None,
         offload_folder: None,
         main_device: None,
+        adapter: None,
     };
     let report = load_checkpoint_and_dispatch(&model, &ckpt, &opts).unwrap();
     assert!(report.count(Placement::Disk) >= 1, "{report:?}");
@@ -164,6 +166,7 @@ fn a_checkpoint_missing_a_weight_is_refused_before_loading() {
         dtype: None,
         offload_folder: None,
         main_device: None,
+        adapter: None,
     };
     let err = load_checkpoint_and_dispatch(&model, &ckpt, &opts).unwrap_err();
     assert_eq!(

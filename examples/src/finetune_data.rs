@@ -7,6 +7,7 @@ use std::io::Write;
 
 use accel_core::data::{DataLoader, DataLoaderConfig, Dataset, JsonlDataset, JsonlOptions, IGNORE};
 use accel_core::models::{AutoModel, ModelConfig, Tokenizer};
+use accel_core::nn::layers::LoraSpec;
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig};
 use anyhow::{Context, Result};
@@ -37,6 +38,7 @@ fn loss_of(model: &AutoModel, batch: &[Tensor]) -> Result<(Tensor, f64)> {
 pub fn run(
     args: &Args,
     cfg: &ModelConfig,
+    lora: Option<&LoraSpec>,
     config: AcceleratorConfig,
     out: &mut dyn Write,
 ) -> Result<()> {
@@ -68,7 +70,7 @@ pub fn run(
         DataLoaderConfig::new(args.batch_size).with_shuffle(true),
     );
     let loader = acc.prepare_data_loader(loader);
-    let (model, params, sharding) = prepare_model(&mut acc, cfg, &args.model)?;
+    let (model, params, sharding) = prepare_model(&mut acc, cfg, &args.model, lora)?;
     let mut opt = acc.prepare_optimizer(
         &params,
         AdamW::new(AdamWConfig {
@@ -122,6 +124,10 @@ pub fn run(
         }
     }
     if !eval.is_empty() {
+        if let Some(spec) = lora {
+            // Evaluation: no adapter dropout.
+            spec.set_training(false);
+        }
         // Every rank evaluates the whole held-out set; the mean is the same.
         let all: Vec<usize> = (0..eval.len()).collect();
         let (mut sum, mut count) = (0.0, 0.0);

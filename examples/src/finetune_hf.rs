@@ -13,8 +13,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use accel_core::bigmodel::lora::{adapter_module, LoraConfig, LoraTargets, LORA_A};
 use accel_core::dist::ReduceOp;
 use accel_core::models::{AutoModel, ModelConfig};
+use accel_core::nn::layers::LoraSpec;
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType, PreparedModel};
 use anyhow::{bail, Context, Result};
@@ -80,6 +82,46 @@ pub struct Args {
     /// Shard the saved weights past this size, with an index (save_pretrained's default).
     #[arg(long, default_value = "5GB")]
     pub max_shard_size: String,
+    /// Train LoRA adapters of this rank instead of the whole model (PEFT's `r`);
+    /// the base stays frozen and `--output-dir` gets a PEFT adapter folder.
+    #[arg(long)]
+    pub lora_r: Option<usize>,
+    /// LoRA's alpha: updates are scaled by alpha / r.
+    #[arg(long, default_value_t = 8.0, requires = "lora_r")]
+    pub lora_alpha: f64,
+    /// Dropout on the adapters' input while training.
+    #[arg(long, default_value_t = 0.0, requires = "lora_r")]
+    pub lora_dropout: f32,
+    /// Modules that get adapters, as PEFT names them (q_proj,v_proj), or all-linear
+    /// [default: PEFT's for the architecture: q_proj,v_proj; c_attn for gpt2].
+    #[arg(long, requires = "lora_r")]
+    pub lora_target: Option<String>,
+}
+
+impl Args {
+    /// The LoRA adapters the flags ask for, set on `cfg`, if any.
+    ///
+    /// # Errors
+    /// A bad `--lora-target`.
+    pub(crate) fn lora(&self, cfg: &mut ModelConfig) -> Result<Option<LoraSpec>> {
+        let Some(r) = self.lora_r else {
+            return Ok(None);
+        };
+        let default = match cfg {
+            ModelConfig::Gpt2(_) => "c_attn",
+            ModelConfig::Bert(_) => "query,value",
+            ModelConfig::Llama(_) => "q_proj,v_proj",
+        };
+        let targets = LoraTargets::parse(self.lora_target.as_deref().unwrap_or(default))
+            .map_err(|e| anyhow::anyhow!("--lora-target {e}"))?;
+        let mut config = LoraConfig::new(r, targets);
+        config.alpha = self.lora_alpha;
+        config.dropout = self.lora_dropout;
+        config
+            .validate()
+            .map_err(|e| anyhow::anyhow!("bad LoRA flags: {e}"))?;
+        Ok(Some(cfg.set_lora(config)))
+    }
 }
 
 /// The token ids of `path`: a JSON array of non-empty, equal-length arrays
@@ -178,7 +220,22 @@ fn parameter_counts(params: &PreparedModel, dir: &Path) -> Result<(usize, usize)
     let frozen: std::collections::HashSet<String> =
         params.frozen_parameters().into_iter().collect();
     let (mut trainable, mut all) = (0, 0);
+    let lora_r = params.adapter_config().map_or(0, |c| c.r);
     for name in params.names() {
+        if let Some(module) = adapter_module(&name) {
+            // A new adapter is not in the checkpoint: r * (in + out) per pair,
+            // counted at its A (either orientation of the base weight).
+            if name.ends_with(LORA_A) {
+                let base = format!("{module}.weight");
+                let at = source
+                    .locate(&base)
+                    .with_context(|| format!("{}: no tensor `{base}`", dir.display()))?;
+                let n = lora_r * at.shape().iter().sum::<usize>();
+                trainable += n;
+                all += n;
+            }
+            continue;
+        }
         let at = source
             .locate(&name)
             .with_context(|| format!("{}: no tensor `{name}`", dir.display()))?;
@@ -216,8 +273,21 @@ pub(crate) fn prepare_model(
     acc: &mut Accelerator,
     cfg: &ModelConfig,
     dir: &Path,
+    lora: Option<&LoraSpec>,
 ) -> Result<(AutoModel, PreparedModel, Value)> {
     let loading = || format!("loading the weights of {}", dir.display());
+    if let Some(spec) = lora {
+        let (model, params) = acc
+            .prepare_lora(dir, spec, |vb| build(cfg, vb))
+            .with_context(loading)?;
+        let sharding = acc.config().fsdp.as_ref().map_or(
+            Value::Null,
+            |p| json!({ "strategy": p.sharding_strategy.name() }),
+        );
+        // Adapters train: their dropout is on from here.
+        spec.set_training(true);
+        return Ok((model, params, sharding));
+    }
     if acc.config().fsdp.is_some() {
         let (model, fsdp) = acc
             .prepare_fsdp_pretrained(dir, |vb| build(cfg, vb))
@@ -239,8 +309,9 @@ pub(crate) fn prepare_model(
 /// # Errors
 /// Bad flags, checkpoint or data file; a failed step or collective.
 pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
-    let cfg = accel_core::models::ModelConfig::from_path(&args.model)?;
+    let mut cfg = accel_core::models::ModelConfig::from_path(&args.model)?;
     let vocab = decoder_vocab(&cfg, &args.model)?;
+    let lora = args.lora(&mut cfg)?;
     let config = AcceleratorConfig {
         // Unset: Accelerator::new takes the launcher's precision, then `no`.
         mixed_precision: args.mixed_precision,
@@ -248,11 +319,11 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
         ..Default::default()
     };
     let Some(data_ids) = &args.data_ids else {
-        return crate::finetune_data::run(args, &cfg, config, out);
+        return crate::finetune_data::run(args, &cfg, lora.as_ref(), config, out);
     };
     let batch = read_batch(data_ids, vocab)?;
     let mut acc = Accelerator::new(config)?;
-    let (model, params, sharding) = prepare_model(&mut acc, &cfg, &args.model)?;
+    let (model, params, sharding) = prepare_model(&mut acc, &cfg, &args.model, lora.as_ref())?;
     let mut opt = acc.prepare_optimizer(
         &params,
         AdamW::new(AdamWConfig {

@@ -24,6 +24,10 @@ pub struct Placing {
     /// Folder for offloaded weights the checkpoint cannot serve.
     #[arg(long)]
     pub offload_folder: Option<PathBuf>,
+    /// A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) merged
+    /// into the model's weights as they load, as PEFT's merge_and_unload.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
 }
 
 /// `"cpu=300KB,disk=1GB"` as Accelerate's `max_memory` entries, in order.
@@ -55,7 +59,12 @@ pub fn load(dir: &Path, placing: &Placing) -> Result<(AutoModel, DeviceMap)> {
     let map = match (&placing.max_memory, &placing.device_map) {
         (Some(_), Some(_)) => bail!("give --max-memory or --device-map, not both"),
         (None, None) => {
-            let model = AutoModel::load(dir, DType::F32, &Device::Cpu)?;
+            let model = AutoModel::load_with_adapter(
+                dir,
+                placing.adapter.as_deref(),
+                DType::F32,
+                &Device::Cpu,
+            )?;
             return Ok((
                 model,
                 [(String::new(), Placement::Cpu)].into_iter().collect(),
@@ -80,6 +89,7 @@ pub fn load(dir: &Path, placing: &Placing) -> Result<(AutoModel, DeviceMap)> {
         dtype: None,
         offload_folder: placing.offload_folder.clone(),
         main_device: None,
+        adapter: placing.adapter.clone(),
     };
     drop(empty);
     let (model, _report) = AutoModel::load_dispatched(dir, &opts)?;

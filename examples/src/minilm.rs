@@ -214,6 +214,7 @@ pub fn run(args: &Args, out: &mut impl Write) -> Result<()> {
         dtype: None,
         offload_folder: Some(offload.path().to_path_buf()),
         main_device: None,
+        adapter: None,
     };
     let (model, report) = AutoModel::load_dispatched(dir, &opts)?;
     let load_s = start.elapsed().as_secs_f64();

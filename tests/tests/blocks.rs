@@ -304,6 +304,7 @@ fn the_gpt_dispatched_with_half_its_blocks_on_disk_gives_the_plain_logits() {
         dtype: None,
         offload_folder: None,
         main_device: None,
+        adapter: None,
     };
     let report = load_checkpoint_and_dispatch(&empty, dir.path(), &opts).unwrap();
     assert_eq!(report.count(Placement::Disk), 4);

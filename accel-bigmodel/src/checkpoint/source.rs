@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Shape, Tensor};
 
 use crate::error::{Error, Result};
+use crate::lora::LoraAdapter;
 use crate::mapped::MappedFiles;
 use crate::safetensors::{CheckpointFiles, HeaderEntry, MmapFile, WeightIndex};
 
@@ -63,6 +64,8 @@ pub struct CheckpointSource {
     // asked for again (a head tied to the embeddings) gets the same tensor,
     // as tied modules share one parameter in PyTorch, instead of a copy.
     built: Mutex<HashMap<String, Tensor>>,
+    // A LoRA adapter merged into the weights it adapts as they are read.
+    adapter: Option<Arc<LoraAdapter>>,
 }
 
 impl CheckpointSource {
@@ -99,7 +102,25 @@ impl CheckpointSource {
             built: Mutex::new(HashMap::new()),
             mapped,
             by_name,
+            adapter: None,
         })
+    }
+
+    /// The same checkpoint with `adapter` merged into the weights it adapts
+    /// as they are read (`W + scaling * B A`, PEFT's `merge_and_unload`):
+    /// loading, dispatching and saving then see the merged model.
+    ///
+    /// # Errors
+    /// An adapted module whose weight the checkpoint does not hold.
+    pub fn with_adapter(mut self, adapter: Arc<LoraAdapter>) -> Result<Self> {
+        adapter.check_base(&self)?;
+        self.adapter = Some(adapter);
+        Ok(self)
+    }
+
+    /// The adapter merged into the weights, if any.
+    pub fn adapter(&self) -> Option<&Arc<LoraAdapter>> {
+        self.adapter.as_ref()
     }
 
     /// The path the source was opened from.
@@ -165,6 +186,14 @@ impl CheckpointSource {
                 checkpoint: self.checkpoint.clone(),
             });
         };
+        if let Some(adapter) = self.adapter.as_ref().filter(|a| a.adapts(name)) {
+            let base = self.mapped[i].tensor(name, device)?;
+            let merged = adapter.merge(name, base)?;
+            return match dtype {
+                Some(dtype) => convert(merged, dtype),
+                None => Ok(merged),
+            };
+        }
         if device.is_cpu() {
             if let Some(t) = self.mapped_tensor(i, name, dtype) {
                 return Ok(t);

@@ -234,6 +234,15 @@ impl OffloadedWeightsLoader {
             ..Self::default()
         };
         for name in names {
+            if let Some(adapter) = source.adapter().filter(|a| a.adapts(name)) {
+                // The file holds the base weight, not the merged one.
+                return Err(Error::InvalidCheckpoint {
+                    path: adapter.dir().to_path_buf(),
+                    reason: format!(
+                        "`{name}` is adapted by this LoRA adapter and cannot be read from disk                          in place; keep it on a device or in CPU memory, or merge the adapter                          first (accel merge-lora)"
+                    ),
+                });
+            }
             let at = source.locate(name).ok_or_else(|| Error::MissingTensor {
                 name: name.to_string(),
                 checkpoint: source.checkpoint().to_path_buf(),

@@ -8,6 +8,7 @@
 mod checkpointing;
 mod config;
 mod graph;
+mod lora;
 mod ops;
 mod seeding;
 mod sharded;
@@ -260,7 +261,7 @@ impl Accelerator {
     /// A `VarBuilder` that creates parameters into `varmap` in the compute
     /// dtype, initialised from the seed and each parameter's name.
     pub fn var_builder(&self, varmap: &VarMap) -> VarBuilder<'static> {
-        self.var_builder_from(varmap, None)
+        self.var_builder_from(varmap, None, None)
     }
 
     /// [`Accelerator::var_builder`], with the starting values read from
@@ -269,6 +270,7 @@ impl Accelerator {
         &self,
         varmap: &VarMap,
         from: Option<Arc<crate::init::Pretrained>>,
+        frozen: Option<crate::init::FrozenFn>,
     ) -> VarBuilder<'static> {
         let backend = SeededBackend {
             seed: self.seed,
@@ -277,6 +279,7 @@ impl Accelerator {
                 masters: self.masters.clone(),
             }),
             from,
+            frozen,
         };
         VarBuilder::from_backend(
             Box::new(backend),
@@ -317,12 +320,12 @@ impl Accelerator {
         let mut masters_drawn = self.masters.lock().unwrap_or_else(|e| e.into_inner());
         let (mut names, mut vars, mut masters) = (vec![], vec![], vec![]);
         for (name, var) in named {
-            let master = match var.dtype() {
-                DType::F32 => var.clone(),
-                _ => match masters_drawn.remove(&name) {
-                    Some(m) => m,
-                    None => candle_core::Var::from_tensor(&var.to_dtype(DType::F32)?)?,
-                },
+            // A frozen parameter never steps: it is its own master, in its dtype.
+            let master = match (var.dtype(), masters_drawn.remove(&name)) {
+                (DType::F32, _) => var.clone(),
+                (_, Some(m)) if !frozen(&name) => m,
+                _ if frozen(&name) => var.clone(),
+                _ => candle_core::Var::from_tensor(&var.to_dtype(DType::F32)?)?,
             };
             names.push(name);
             vars.push(var);

@@ -13,7 +13,7 @@ use super::Accelerator;
 use accel_nn::Model;
 
 use crate::fsdp::{plan_units, shard_blocks, FsdpModel};
-use crate::init::{Keep, Pieces, Pretrained, SeededBackend};
+use crate::init::{FrozenFn, Keep, Pieces, Pretrained, SeededBackend};
 use crate::state::DistributedType;
 use crate::{Error, PreparedModel, Result};
 
@@ -36,7 +36,7 @@ impl Accelerator {
         &mut self,
         build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, PreparedModel)> {
-        self.prepare_from(None, build)
+        self.prepare_from(None, None, build)
     }
 
     /// [`Accelerator::prepare`] with every parameter starting from the
@@ -57,25 +57,30 @@ impl Accelerator {
         build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, PreparedModel)> {
         let from = Arc::new(Pretrained::open(checkpoint.as_ref())?);
-        let (model, params) = self.prepare_from(Some(from.clone()), build)?;
+        let (model, params) = self.prepare_from(Some(from.clone()), None, build)?;
         from.warn_unused();
         params.set_source(crate::model::PretrainedSource::of(&from.source));
         Ok((model, params))
     }
 
-    /// `prepare`, starting from `from` when given.
-    fn prepare_from<M: Model, E: Into<Error>>(
+    /// `prepare`, starting from `from` when given, with the parameters
+    /// `frozen` selects prepared frozen.
+    pub(super) fn prepare_from<M: Model, E: Into<Error>>(
         &mut self,
         from: Option<Arc<Pretrained>>,
+        frozen: Option<FrozenFn>,
         build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, PreparedModel)> {
+        let is_frozen = |name: &str| frozen.as_ref().is_some_and(|f| f(name));
         if self.config.fsdp.is_some() {
             let (model, fsdp) = self.prepare_fsdp_model_from(from, build)?;
+            fsdp.params().freeze_where(&is_frozen);
             return Ok((model, fsdp.params().clone()));
         }
         let varmap = candle_nn::VarMap::new();
-        let model = build(self.var_builder_from(&varmap, from)).map_err(Into::into)?;
-        let params = self.prepare_model(&varmap)?;
+        let vb = self.var_builder_from(&varmap, from, frozen.clone());
+        let model = build(vb).map_err(Into::into)?;
+        let params = self.prepare_model_frozen(&varmap, is_frozen)?;
         Ok((model, params))
     }
 
@@ -173,6 +178,8 @@ impl Accelerator {
                 drawn: drawn.clone(),
             }),
             from,
+            // Pieces are fp32 masters; frozen ones are only left untrained.
+            frozen: None,
         };
         let vb = VarBuilder::from_backend(
             Box::new(backend),

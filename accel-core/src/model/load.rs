@@ -60,7 +60,8 @@ impl PreparedModel {
             tracing::warn!(checkpoint = %path.display(), extra, "checkpoint tensors the model does not use were ignored");
         }
         for (name, var) in &masters {
-            var.set(&source.tensor(name, var.device(), Some(DType::F32))?)?;
+            // fp32 masters, or a frozen parameter in its own dtype.
+            var.set(&source.tensor(name, var.device(), Some(var.dtype()))?)?;
         }
         self.set_source(super::PretrainedSource::of(&source));
         drop(source);

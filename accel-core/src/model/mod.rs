@@ -19,6 +19,7 @@ use candle_core::{Tensor, Var};
 use crate::checkpoint::StateDict;
 use crate::Result;
 
+mod adapter;
 mod ddp;
 mod grads;
 mod load;
@@ -26,6 +27,7 @@ mod pretrained;
 mod reach;
 mod single;
 
+pub(crate) use adapter::has_adapters;
 pub(crate) use ddp::Replicated;
 pub(crate) use pretrained::PretrainedSource;
 pub use pretrained::CARRIED_FILES;
@@ -57,6 +59,8 @@ pub(crate) struct ModelInner {
     pub unused_checked: bool,
     /// The checkpoint the weights were loaded from, for `save_pretrained`.
     pub source: Option<Arc<PretrainedSource>>,
+    /// A LoRA model's adapter settings: `save_pretrained` writes the adapter.
+    pub adapter: Option<accel_bigmodel::lora::LoraConfig>,
 }
 
 /// What a checkpoint keeps of an optimizer's state.
@@ -198,6 +202,7 @@ impl PreparedModel {
                 reached: vec![false; n],
                 unused_checked: false,
                 source: None,
+                adapter: None,
             })),
             strategy,
         }

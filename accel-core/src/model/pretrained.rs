@@ -77,6 +77,10 @@ impl PreparedModel {
     /// The main process writes; every process must call it (a sharded model
     /// gathers its full weights first).
     ///
+    /// A LoRA model ([`Accelerator::prepare_lora`]) saves its adapter
+    /// instead, as `PeftModel.save_pretrained` does: `adapter_config.json`
+    /// and `adapter_model.safetensors`, plus the base's tokenizer files.
+    ///
     /// # Errors
     /// A bad `max_shard_size`; a failed write on any rank ([`Error::RankFailed`]
     /// on the others); a source file that cannot be read, named.
@@ -87,6 +91,9 @@ impl PreparedModel {
         max_shard_size: &str,
     ) -> Result<Vec<PathBuf>> {
         let limit = crate::checkpoint::parse_size(max_shard_size)?;
+        if let Some(config) = self.adapter_config() {
+            return self.save_adapter(acc, dir.as_ref(), &config);
+        }
         let source = self.lock().source.clone();
         let mut tensors = BTreeMap::new();
         for (name, t) in self.full_weights()? {

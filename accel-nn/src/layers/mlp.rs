@@ -3,7 +3,8 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::linear::{linear_b, Linear};
+use super::linear::{linear_b_lora, Linear};
+use super::lora::LoraSpec;
 use crate::ops;
 
 /// `down_proj(silu(gate_proj(x)) * up_proj(x))`, HF's `LlamaMLP` with its
@@ -56,9 +57,21 @@ pub fn swiglu_mlp(
     bias: bool,
     vb: VarBuilder,
 ) -> Result<SwiGluMlp> {
+    swiglu_mlp_lora(hidden, intermediate, bias, vb, None)
+}
+
+/// [`swiglu_mlp`] with LoRA adapters on the projections `lora` targets.
+pub fn swiglu_mlp_lora(
+    hidden: usize,
+    intermediate: usize,
+    bias: bool,
+    vb: VarBuilder,
+    lora: Option<&LoraSpec>,
+) -> Result<SwiGluMlp> {
+    let proj = |i, o, name| linear_b_lora(i, o, bias, vb.pp(name), lora);
     Ok(SwiGluMlp::new(
-        linear_b(hidden, intermediate, bias, vb.pp("gate_proj"))?,
-        linear_b(hidden, intermediate, bias, vb.pp("up_proj"))?,
-        linear_b(intermediate, hidden, bias, vb.pp("down_proj"))?,
+        proj(hidden, intermediate, "gate_proj")?,
+        proj(hidden, intermediate, "up_proj")?,
+        proj(intermediate, hidden, "down_proj")?,
     ))
 }
