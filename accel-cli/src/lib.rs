@@ -7,9 +7,10 @@
 //!
 //! [`Cli`] is the whole command line and [`Command`] its subcommands, each
 //! with its flags struct ([`LaunchArgs`], [`ConfigArgs`], [`EnvArgs`],
-//! [`EstimateArgs`], [`DeviceMapArgs`], [`MergeWeightsArgs`]) and the
+//! [`EstimateArgs`], [`DeviceMapArgs`], [`MergeWeightsArgs`], [`MergeLoraArgs`]) and the
 //! function the binary calls with it ([`launch`], [`config_command`],
-//! [`env_report`], [`estimate_memory`], [`device_map`], [`merge_weights`]);
+//! [`env_report`], [`estimate_memory`], [`device_map`], [`merge_weights`],
+//! [`merge_lora`]);
 //! [`config_file`] reads and writes Accelerate's `default_config.yaml`. Tests
 //! and other programs call these functions directly:
 //!
@@ -43,7 +44,7 @@ pub use device_map_cmd::{device_map, read_model_tree, DeviceMapArgs};
 pub use env_cmd::{env_report, EnvArgs};
 pub use estimate_cmd::{convert_bytes, estimate_memory, estimate_rows, EstimateArgs, EstimateRow};
 pub use launch_cmd::{launch, LaunchArgs};
-pub use merge_cmd::{merge_weights, MergeWeightsArgs};
+pub use merge_cmd::{merge_lora, merge_weights, MergeLoraArgs, MergeWeightsArgs};
 
 use clap::{Parser, Subcommand};
 
@@ -75,4 +76,6 @@ pub enum Command {
     Launch(LaunchArgs),
     /// Merge a sharded FSDP checkpoint (`SHARDED_STATE_DICT`) into `model.safetensors`.
     MergeWeights(MergeWeightsArgs),
+    /// Merge a PEFT LoRA adapter into its base model's weights (PEFT's `merge_and_unload`).
+    MergeLora(MergeLoraArgs),
 }

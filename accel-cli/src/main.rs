@@ -3,7 +3,8 @@
 use std::process::ExitCode;
 
 use accel_cli::{
-    config_command, device_map, env_report, estimate_memory, launch, merge_weights, Cli, Command,
+    config_command, device_map, env_report, estimate_memory, launch, merge_lora, merge_weights,
+    Cli, Command,
 };
 use clap::Parser;
 
@@ -23,6 +24,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::EstimateMemory(args) => println!("{}", estimate_memory(&args)?),
         Command::MergeWeights(args) => {
             for path in merge_weights(&args)? {
+                println!("wrote {}", path.display());
+            }
+        }
+        Command::MergeLora(args) => {
+            for path in merge_lora(&args)? {
                 println!("wrote {}", path.display());
             }
         }

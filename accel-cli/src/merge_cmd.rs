@@ -44,3 +44,26 @@ fn remove_sharded(dir: &Path) -> Result<()> {
     };
     std::fs::remove_dir_all(&folder).map_err(|e| accel_core::Error::io("removing", &folder, e))
 }
+
+/// Arguments of `accel merge-lora`.
+#[derive(Debug, Clone, Args)]
+pub struct MergeLoraArgs {
+    /// The base model's Hugging Face folder (config.json and safetensors).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors).
+    #[arg(long)]
+    pub adapter: PathBuf,
+    /// Folder to write the merged model into (transformers' from_pretrained loads it).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Largest file before the weights are split into shards with an index.
+    #[arg(long, default_value = "5GB")]
+    pub max_shard_size: String,
+}
+
+/// Writes the base model with the adapter merged (PEFT's `merge_and_unload`
+/// then `save_pretrained`) and returns the files written.
+pub fn merge_lora(args: &MergeLoraArgs) -> Result<Vec<PathBuf>> {
+    accel_core::model::merge_lora(&args.model, &args.adapter, &args.out, &args.max_shard_size)
+}

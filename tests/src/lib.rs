@@ -172,3 +172,69 @@ pub fn hf_reference(name: &str) -> serde_json::Value {
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// Runs `cmd` to completion within 120 s with `ACCELERATE_MIXED_PRECISION`
+/// set to `precision` (a launcher's), else unset; returns (success, stdout, stderr).
+pub fn run_program(
+    mut cmd: std::process::Command,
+    precision: Option<&str>,
+) -> (bool, String, String) {
+    // A precision left in the test's environment must not leak into the runs.
+    cmd.env_remove("ACCELERATE_MIXED_PRECISION");
+    if let Some(p) = precision {
+        cmd.env("ACCELERATE_MIXED_PRECISION", p);
+    }
+    cmd.stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let out = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut out, &mut s).unwrap();
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut err, &mut s).unwrap();
+        s
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("{cmd:?} ran past 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    (status.success(), out.join().unwrap(), err.join().unwrap())
+}
+
+/// The setup object and the per-step losses of one run's output (rank 0's
+/// lines under the launcher, whose prefix is dropped).
+pub fn parse_run(stdout: &str) -> (serde_json::Value, Vec<f64>) {
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    assert!(!lines.is_empty(), "no JSON lines in {stdout}");
+    let setup = lines[0]["setup"].clone();
+    assert!(
+        setup.is_object(),
+        "first line is not the setup: {}",
+        lines[0]
+    );
+    let losses = lines[1..]
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            assert_eq!(l["step"].as_u64(), Some(i as u64 + 1), "{l}");
+            l["loss"].as_f64().unwrap()
+        })
+        .collect();
+    (setup, losses)
+}

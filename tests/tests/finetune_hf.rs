@@ -2,10 +2,8 @@
 //! loss is transformers' own, and one process, two ranks under `accel launch`
 //! and an FSDP config file print the same losses.
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use serde_json::Value;
 
@@ -14,70 +12,16 @@ const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
 
 use accel_tests::{hf_fixture as fixture, hf_reference as reference};
 
-/// Runs `cmd` to completion within 120 s with `ACCELERATE_MIXED_PRECISION`
-/// set to `precision` (a launcher's), else unset; returns (success, stdout, stderr).
-fn run_with(mut cmd: Command, precision: Option<&str>) -> (bool, String, String) {
-    // A precision left in the test's environment must not leak into the runs.
-    cmd.env_remove("ACCELERATE_MIXED_PRECISION");
-    if let Some(p) = precision {
-        cmd.env("ACCELERATE_MIXED_PRECISION", p);
-    }
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = cmd.spawn().unwrap();
-    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let out = std::thread::spawn(move || {
-        let mut s = String::new();
-        out.read_to_string(&mut s).unwrap();
-        s
-    });
-    let err = std::thread::spawn(move || {
-        let mut s = String::new();
-        err.read_to_string(&mut s).unwrap();
-        s
-    });
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if Instant::now() > deadline {
-            child.kill().unwrap();
-            panic!("{cmd:?} ran past 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (status.success(), out.join().unwrap(), err.join().unwrap())
+fn run_with(cmd: Command, precision: Option<&str>) -> (bool, String, String) {
+    accel_tests::run_program(cmd, precision)
 }
 
 fn run(cmd: Command) -> (bool, String, String) {
     run_with(cmd, None)
 }
 
-/// The setup object and the per-step losses of one run's output (rank 0's
-/// lines under the launcher, whose prefix is dropped).
 fn parse(stdout: &str) -> (Value, Vec<f64>) {
-    let lines: Vec<Value> = stdout
-        .lines()
-        .map(|l| l.strip_prefix("[rank0]: ").unwrap_or(l))
-        .filter(|l| l.starts_with('{'))
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
-        .collect();
-    assert!(!lines.is_empty(), "no JSON lines in {stdout}");
-    let setup = lines[0]["setup"].clone();
-    assert!(
-        setup.is_object(),
-        "first line is not the setup: {}",
-        lines[0]
-    );
-    let losses = lines[1..]
-        .iter()
-        .enumerate()
-        .map(|(i, l)| {
-            assert_eq!(l["step"].as_u64(), Some(i as u64 + 1), "{l}");
-            l["loss"].as_f64().unwrap()
-        })
-        .collect();
-    (setup, losses)
+    accel_tests::parse_run(stdout)
 }
 
 /// A data file with `ids` in `dir`.

@@ -282,6 +282,16 @@ struct RawPeftConfig {
     layers_to_transform: Value,
     #[serde(default)]
     layer_replication: Value,
+    lora_bias: Option<bool>,
+    #[serde(default)]
+    target_parameters: Value,
+    #[serde(default)]
+    trainable_token_indices: Value,
+    #[serde(default)]
+    alora_invocation_tokens: Value,
+    use_qalora: Option<bool>,
+    #[serde(default)]
+    use_bdlora: Value,
 }
 
 #[cfg(test)]

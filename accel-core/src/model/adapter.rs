@@ -80,18 +80,44 @@ fn write_adapter(
     let config_path = dir.join(ADAPTER_CONFIG_NAME);
     crate::checkpoint::write_json(&config_path, &json)?;
     written.push(config_path);
-    let Some(base) = base else {
-        return Ok(written);
-    };
-    for name in TOKENIZER_FILES {
-        let from = base.join(name);
-        if from.is_file() {
-            let to = dir.join(name);
-            let bytes = std::fs::read(&from).map_err(|e| Error::io("reading", &from, e))?;
-            crate::checkpoint::write_bytes_atomic(&to, &bytes)?;
-            written.push(to);
-        }
+    if let Some(base) = base {
+        written.extend(super::pretrained::copy_files(base, dir, &TOKENIZER_FILES)?);
     }
+    Ok(written)
+}
+
+/// Writes the base model `model_dir` with the PEFT LoRA adapter `adapter_dir`
+/// merged into its weights to `out` as a Hugging Face folder: PEFT's
+/// `merge_and_unload()` then `save_pretrained`. Each weight keeps the base
+/// file's dtype (the update is summed in f32 and rounded once); shards past
+/// `max_shard_size`; the base's config, generation config and tokenizer
+/// files are copied. Unadapted weights are served from the base files'
+/// pages, so memory holds little beyond the adapted weights.
+///
+/// # Errors
+/// A bad base checkpoint or adapter folder (named), an adapter for modules
+/// the base lacks, a bad size, a failed write.
+pub fn merge_lora(
+    model_dir: &Path,
+    adapter_dir: &Path,
+    out: &Path,
+    max_shard_size: &str,
+) -> Result<Vec<PathBuf>> {
+    let limit = crate::checkpoint::parse_size(max_shard_size)?;
+    let adapter = std::sync::Arc::new(accel_bigmodel::lora::LoraAdapter::open(adapter_dir)?);
+    let source = accel_bigmodel::CheckpointSource::open(model_dir)?.with_adapter(adapter)?;
+    let cpu = candle_core::Device::Cpu;
+    let tensors = source
+        .names()
+        .map(|n| Ok((n.to_string(), source.tensor(n, &cpu, None)?)))
+        .collect::<Result<BTreeMap<_, _>>>()?;
+    std::fs::create_dir_all(out).map_err(|e| Error::io("creating", out, e))?;
+    let mut written = crate::checkpoint::save_model(out, &tensors, limit)?;
+    written.extend(super::pretrained::copy_files(
+        model_dir,
+        out,
+        &super::CARRIED_FILES,
+    )?);
     Ok(written)
 }
 

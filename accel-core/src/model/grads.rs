@@ -13,12 +13,15 @@ impl PreparedModel {
     /// Adds already reduced gradient pieces of parameters `ids` to the accumulators.
     pub(crate) fn accumulate_pieces(&self, ids: &[usize], pieces: &[Tensor]) -> Result<()> {
         let mut g = self.lock();
+        // Frozen parameters' pieces are dropped, as `accumulate` drops theirs.
+        let kept: Vec<(usize, Tensor)> = ids
+            .iter()
+            .copied()
+            .zip(pieces.iter().cloned())
+            .filter(|(i, _)| !g.frozen[*i])
+            .collect();
         // Pieces may be views into one reduced buffer: copied, never adopted.
-        deposit(
-            &mut g,
-            ids.iter().copied().zip(pieces.iter().cloned()),
-            false,
-        )
+        deposit(&mut g, kept, false)
     }
 
     /// Adds the gradients of this model's variables found in `store` to the

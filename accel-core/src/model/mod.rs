@@ -28,6 +28,7 @@ mod reach;
 mod single;
 
 pub(crate) use adapter::has_adapters;
+pub use adapter::merge_lora;
 pub(crate) use ddp::Replicated;
 pub(crate) use pretrained::PretrainedSource;
 pub use pretrained::CARRIED_FILES;

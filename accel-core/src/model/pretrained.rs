@@ -120,11 +120,17 @@ fn write_folder(
     source: Option<&PretrainedSource>,
 ) -> Result<Vec<PathBuf>> {
     let mut written = crate::checkpoint::save_model(dir, tensors, limit)?;
-    let Some(source) = source else {
-        return Ok(written);
-    };
-    for name in CARRIED_FILES {
-        let from = source.dir.join(name);
+    if let Some(source) = source {
+        written.extend(copy_files(&source.dir, dir, &CARRIED_FILES)?);
+    }
+    Ok(written)
+}
+
+/// Copies those of `names` that `from_dir` holds into `dir`, each atomically.
+pub(crate) fn copy_files(from_dir: &Path, dir: &Path, names: &[&str]) -> Result<Vec<PathBuf>> {
+    let mut written = vec![];
+    for name in names {
+        let from = from_dir.join(name);
         if !from.is_file() {
             continue;
         }
