@@ -9,9 +9,11 @@
 //! Python's string methods, `raise_exception`, `bos_token`/`eos_token`.
 //! Assistant spans are the text a template wraps in `{% generation %}` …
 //! `{% endgeneration %}` (transformers' extension; here the tags are
-//! rewritten into markers before rendering); a token belongs to the
-//! assistant from the token holding a span's first character to the one
-//! holding its last, as transformers counts them.
+//! rewritten into markers before rendering), or for a template without the
+//! tags what each assistant turn adds to the render (see
+//! [`ChatTemplate::render`]); a token belongs to the assistant from the
+//! token holding a span's first character to the one holding its last, as
+//! transformers counts them.
 
 use std::path::{Path, PathBuf};
 
@@ -167,7 +169,55 @@ impl ChatTemplate {
     /// # Errors
     /// A template that does not render (syntax, `raise_exception`), with
     /// minijinja's reason.
+    ///
+    /// A template without generation tags gets its assistant spans by
+    /// rendering growing prefixes of the conversation: an assistant turn is
+    /// what rendering it adds to the conversation before it with the
+    /// generation prompt, up to its last non-blank character (its
+    /// end-of-turn token included). That needs a template whose render of a
+    /// prefix is a prefix of the whole render; one that is not (a template
+    /// that rewrites earlier turns) is an error naming the turn.
     pub fn render(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<(usize, usize)>)> {
+        let (text, spans) = self.render_marked(messages, add_generation_prompt)?;
+        if self.marks_generation {
+            return Ok((text, spans));
+        }
+        let Some(turns) = messages.as_array() else {
+            return Ok((text, spans));
+        };
+        let mut spans = vec![];
+        for (i, m) in turns.iter().enumerate() {
+            if m.get("role").and_then(|r| r.as_str()) != Some("assistant") {
+                continue;
+            }
+            let before = serde_json::Value::Array(turns[..i].to_vec());
+            let upto = serde_json::Value::Array(turns[..=i].to_vec());
+            let (prompt, _) = self.render_marked(&before, true)?;
+            let (with_turn, _) = self.render_marked(&upto, false)?;
+            if !with_turn.starts_with(&prompt) || !text.starts_with(&with_turn) {
+                return Err(Error::Dataset {
+                    path: self.path.clone(),
+                    line: 0,
+                    reason: format!(
+                        "the chat template has no {{% generation %}} tags and renders message {i} \
+                         (an assistant turn) differently once later messages follow, so its \
+                         tokens cannot be found; use a template with generation tags"
+                    ),
+                });
+            }
+            let start = prompt.chars().count();
+            let end = start + with_turn[prompt.len()..].trim_end().chars().count();
+            spans.push((start, end));
+        }
+        Ok((text, spans))
+    }
+
+    /// The render and the spans of its `{% generation %}` blocks.
+    fn render_marked(
         &self,
         messages: &serde_json::Value,
         add_generation_prompt: bool,

@@ -38,6 +38,34 @@ fn rendering_and_the_assistant_mask_equal_transformers_apply_chat_template() {
     }
 }
 
+/// The same template without its `{% generation %}` tags: the assistant
+/// turns found by rendering growing prefixes are the ones the tags mark.
+#[test]
+fn a_template_without_generation_tags_finds_the_same_assistant_tokens() {
+    let source = std::fs::read_to_string(fixture().join("chat_template.jinja")).unwrap();
+    let untagged = source
+        .replace("{%- generation %}", "")
+        .replace("{%- endgeneration %}", "");
+    assert_ne!(untagged, source);
+    let tagged = ChatTemplate::from_folder(fixture()).unwrap();
+    let plain = ChatTemplate::new(&untagged, &tagged.bos_token, &tagged.eos_token);
+    assert!(!plain.marks_generation());
+    let tokenizer = Tokenizer::from_file(fixture()).unwrap();
+    let text = std::fs::read_to_string(fixture().join("reference.json")).unwrap();
+    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for (i, case) in reference["cases"].as_array().unwrap().iter().enumerate() {
+        let prompt = case["add_generation_prompt"].as_bool().unwrap();
+        let (ids, mask) = plain
+            .tokenize(&tokenizer, &case["messages"], prompt)
+            .unwrap();
+        let want_ids: Vec<u32> = serde_json::from_value(case["input_ids"].clone()).unwrap();
+        let want_mask: Vec<u8> = serde_json::from_value(case["assistant_masks"].clone()).unwrap();
+        assert_eq!(ids, want_ids, "case {i}: ids");
+        let mask: Vec<u8> = mask.into_iter().map(u8::from).collect();
+        assert_eq!(mask, want_mask, "case {i}: assistant mask");
+    }
+}
+
 #[test]
 fn generation_tags_become_markers_keeping_their_whitespace_control() {
     let (out, found) =

@@ -110,18 +110,6 @@ fn chat_example(
              (chat_template.jinja, or chat_template in tokenizer_config.json); none was found",
         ));
     };
-    if !template.marks_generation() {
-        return Err(bad_line(
-            path,
-            n,
-            format!(
-                "the chat template ({}) does not mark assistant turns with {{% generation %}}, \
-                 so the loss cannot be limited to them (as TRL's assistant_only_loss); use a \
-                 template that does, or prompt/completion examples",
-                template.path().display()
-            ),
-        ));
-    }
     let turns = messages.as_array().filter(|m| {
         m.iter()
             .all(|t| t.get("role").is_some_and(|r| r.is_string()) && t.get("content").is_some())

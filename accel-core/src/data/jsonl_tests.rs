@@ -229,10 +229,11 @@ fn chat_examples_train_on_the_assistant_tokens_as_transformers_marks_them() {
     let (ids, labels) = rows(&ds);
     assert_eq!(ids, vec![want_ids]);
     assert_eq!(labels, vec![want_labels]);
-    // A template without generation marks cannot limit the loss: an error.
+    // A template without generation marks whose turns change as later ones
+    // follow cannot have its assistant tokens found: an error.
     let plain = JsonlOptions {
         chat: Some(super::super::ChatTemplate::new(
-            "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            "{% for m in messages %}{{ m['content'] }}{% if loop.last %}!{% endif %}{% endfor %}",
             "",
             "",
         )),
@@ -242,7 +243,7 @@ fn chat_examples_train_on_the_assistant_tokens_as_transformers_marks_them() {
         .unwrap_err()
         .to_string();
     assert!(
-        e.contains("line 1") && e.contains("{% generation %}"),
+        e.contains("line 1") && e.contains("generation tags") && e.contains("message 1"),
         "{e}"
     );
 }
