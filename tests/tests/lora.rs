@@ -274,7 +274,9 @@ fn a_bf16_base_is_frozen_without_fp32_masters() {
     })
     .unwrap();
     let (model, params) = acc
-        .prepare_lora(&dir, &spec, |vb| AutoModel::new(&cfg, vb))
+        .prepare_lora(&dir, &spec, |vb| {
+            AutoModel::new(&cfg, vb).map_err(accel_core::Error::from)
+        })
         .unwrap();
     let masters: HashMap<String, Tensor> = params.master_weights().into_iter().collect();
     let adapters: Vec<&String> = masters.keys().filter(|n| n.contains(".lora_")).collect();
