@@ -14,6 +14,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+use super::flash::Flash;
 use super::raw::{gemm, gemm_new, par, MatRef};
 use super::{from_f32, math, strided_f32, tensor_from_f32, with_f32, with_strided_f32};
 
@@ -27,18 +28,111 @@ pub(crate) struct MaskSpec {
     pub bias: Option<Tensor>,
 }
 
-/// The op; it keeps the probabilities `[b*h, t, s]` for backward (2 MiB per
-/// layer at the GPT bench shape), cheaper than recomputing them.
-pub(super) struct Attention {
+/// The reference kernel: it keeps the probabilities `[b*h, t, s]` for
+/// backward and runs its products over the whole square. The default is
+/// the tiled [`Flash`]; this one stays as the reference the tests compare
+/// it against ([`attention_reference`]).
+pub(crate) struct Attention {
     pub(super) mask: MaskSpec,
     pub(super) scale: f32,
     pub(super) probs: Mutex<Option<Vec<f32>>>,
 }
 
+/// What an attention kernel does on f32 views; [`Op`] makes either one a
+/// candle op with backward, and `attention_packed` runs either on a fused
+/// qkv projection.
+pub(crate) trait Kernel: Send + Sync {
+    /// The kernel for `mask` and `scale`.
+    fn new(mask: MaskSpec, scale: f32) -> Self;
+
+    /// The output `[b, h, t, d]`, keeping what backward needs.
+    fn run(&self, q: View<'_>, k: View<'_>, v: View<'_>, dims: Dims) -> Result<Vec<f32>>;
+
+    /// (dq, dk, dv), contiguous, from the output gradient `g [b, h, t, d]`.
+    fn backward(
+        &self,
+        q: View<'_>,
+        k: View<'_>,
+        v: View<'_>,
+        g: &[f32],
+        dims: Dims,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)>;
+}
+
+/// A [`Kernel`] as a candle op.
+pub(crate) struct Op<K>(pub K);
+
 /// `softmax(q k^T * scale + mask) v` per head for q `[b, h, t, d]` and k, v
 /// `[b, kv_h, s, d]` (`kv_h` divides `h`; query head `i` reads kv head
 /// `i / (h / kv_h)`, as HF's `repeat_kv`). Rows with no visible key give 0.
+/// Runs the kernel [`attention_kernel`] names: the tiled [`Flash`] (memory
+/// linear in `t` and `s`) unless `ACCEL_ATTENTION=reference`.
 pub(crate) fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: MaskSpec,
+    scale: f64,
+) -> Result<Tensor> {
+    match attention_kernel()? {
+        AttentionKernel::Tiled => apply::<Flash>(q, k, v, mask, scale),
+        AttentionKernel::Reference => apply::<Attention>(q, k, v, mask, scale),
+    }
+}
+
+/// The CPU attention kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// Tiled with an online softmax (FlashAttention-2's algorithm): memory
+    /// linear in the sequence length, causal tiles above the diagonal skipped.
+    Tiled,
+    /// The whole `[t, s]` probabilities per head, kept for backward.
+    Reference,
+}
+
+impl AttentionKernel {
+    /// `"tiled"` or `"reference"`, as the setup lines of the examples report it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tiled => "tiled",
+            Self::Reference => "reference",
+        }
+    }
+}
+
+/// The kernel the fused CPU attention runs: `ACCEL_ATTENTION` (`tiled`, the
+/// default, or `reference`), read once.
+///
+/// # Errors
+/// Another value, naming the variable.
+pub fn attention_kernel() -> Result<AttentionKernel> {
+    static CHOICE: std::sync::OnceLock<std::result::Result<AttentionKernel, String>> =
+        std::sync::OnceLock::new();
+    CHOICE
+        .get_or_init(|| match std::env::var("ACCEL_ATTENTION").as_deref() {
+            Err(_) | Ok("tiled") | Ok("") => Ok(AttentionKernel::Tiled),
+            Ok("reference") => Ok(AttentionKernel::Reference),
+            Ok(other) => Err(format!(
+                "ACCEL_ATTENTION={other:?}: the CPU attention kernel is `tiled` or `reference`"
+            )),
+        })
+        .clone()
+        .map_err(candle_core::Error::msg)
+}
+
+/// [`attention`] with the reference kernel ([`Attention`]), for tests.
+#[cfg(test)]
+pub(crate) fn attention_reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: MaskSpec,
+    scale: f64,
+) -> Result<Tensor> {
+    apply::<Attention>(q, k, v, mask, scale)
+}
+
+fn apply<K: Kernel + 'static>(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -55,12 +149,7 @@ pub(crate) fn attention(
         }
     };
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let op = Attention {
-        mask,
-        scale: scale as f32,
-        probs: Mutex::new(None),
-    };
-    q.apply_op3(&k, &v, op)
+    q.apply_op3(&k, &v, Op(K::new(mask, scale as f32)))
 }
 
 /// A strided f32 view: (data, start offset, strides).
@@ -201,16 +290,20 @@ impl Attention {
         });
         (y, probs)
     }
+}
+
+impl Kernel for Attention {
+    fn new(mask: MaskSpec, scale: f32) -> Self {
+        Self {
+            mask,
+            scale,
+            probs: Mutex::new(None),
+        }
+    }
 
     /// The forward pass with the mask's bias read in place: returns the
     /// output `[b, h, t, d]` and keeps the probabilities for backward.
-    pub(super) fn run(
-        &self,
-        q: View<'_>,
-        k: View<'_>,
-        v: View<'_>,
-        dims: Dims,
-    ) -> Result<Vec<f32>> {
+    fn run(&self, q: View<'_>, k: View<'_>, v: View<'_>, dims: Dims) -> Result<Vec<f32>> {
         let (y, probs) = match &self.mask.bias {
             Some(bias) => {
                 if bias.dims() != [dims.b, dims.h, dims.t, dims.s] {
@@ -228,7 +321,7 @@ impl Attention {
 
     /// (dq, dk, dv), contiguous `[b, h, t, d]` / `[b, kv_h, s, d]`, from the
     /// stored probabilities and the output gradient `g [b, h, t, d]`.
-    pub(super) fn backward(
+    fn backward(
         &self,
         q: View<'_>,
         k: View<'_>,
@@ -294,7 +387,7 @@ impl Attention {
     }
 }
 
-impl CustomOp3 for Attention {
+impl<K: Kernel> CustomOp3 for Op<K> {
     fn name(&self) -> &'static str {
         "accel-attention"
     }
@@ -312,7 +405,9 @@ impl CustomOp3 for Attention {
         let (q, qo, qs) = strided_f32(s1, l1)?;
         let (k, ko, ks) = strided_f32(s2, l2)?;
         let (v, vo, vs) = strided_f32(s3, l3)?;
-        let y = self.run((&q, qo, &qs), (&k, ko, &ks), (&v, vo, &vs), dims)?;
+        let y = self
+            .0
+            .run((&q, qo, &qs), (&k, ko, &ks), (&v, vo, &vs), dims)?;
         Ok((from_f32(y, s1.dtype())?, l1.shape().clone()))
     }
 
@@ -329,7 +424,8 @@ impl CustomOp3 for Attention {
             with_strided_f32(k, |kd, ko, ks| {
                 with_strided_f32(v, |vd, vo, vs| {
                     with_f32(grad, |g| {
-                        self.backward((qd, qo, qs), (kd, ko, ks), (vd, vo, vs), g, dims)
+                        self.0
+                            .backward((qd, qo, qs), (kd, ko, ks), (vd, vo, vs), g, dims)
                     })
                 })
             })

@@ -7,18 +7,17 @@
 //! `cat`s and adds per layer. This op reads q, k and v in place and writes
 //! `dqkv` once; merging and splitting heads are single parallel copies.
 
-use std::sync::Mutex;
-
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::attention::{Attention, Dims, MaskSpec};
+use super::attention::{attention_kernel, Attention, AttentionKernel, Dims, Kernel, MaskSpec};
+use super::flash::Flash;
 use super::raw::par;
 use super::{as_f32, from_f32, tensor_from_f32, with_f32};
 
-/// The op: the shared attention state plus the head count.
-struct Packed {
-    inner: Attention,
+/// The op: an attention kernel plus the head count.
+struct Packed<K> {
+    inner: K,
     n_head: usize,
 }
 
@@ -30,17 +29,21 @@ pub(crate) fn attention_packed(
     mask: MaskSpec,
     scale: f64,
 ) -> Result<Tensor> {
-    qkv.contiguous()?.apply_op1(Packed {
-        inner: Attention {
-            mask,
-            scale: scale as f32,
-            probs: Mutex::new(None),
-        },
-        n_head,
-    })
+    let qkv = qkv.contiguous()?;
+    let scale = scale as f32;
+    match attention_kernel()? {
+        AttentionKernel::Tiled => qkv.apply_op1(Packed {
+            inner: Flash::new(mask, scale),
+            n_head,
+        }),
+        AttentionKernel::Reference => qkv.apply_op1(Packed {
+            inner: Attention::new(mask, scale),
+            n_head,
+        }),
+    }
 }
 
-impl Packed {
+impl<K> Packed<K> {
     /// The per-head shapes of a `qkv` of shape `dims`.
     fn dims(&self, dims: &[usize]) -> Result<Dims> {
         let [b, t, three_d] = *dims else {
@@ -67,7 +70,7 @@ fn head_strides(dims: Dims) -> [usize; 4] {
     [dims.t * three_d, dims.d, three_d, 1]
 }
 
-impl CustomOp1 for Packed {
+impl<K: Kernel + 'static> CustomOp1 for Packed<K> {
     fn name(&self) -> &'static str {
         "accel-attention-qkv"
     }

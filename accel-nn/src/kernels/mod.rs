@@ -28,6 +28,7 @@ mod raw;
 mod act;
 mod attention;
 mod attention_packed;
+mod flash;
 mod gemm_bf16;
 mod linear;
 mod loss;
@@ -38,7 +39,10 @@ mod skinny;
 mod softmax;
 
 pub(crate) use act::{pointwise, swiglu};
+#[cfg(test)]
+pub(crate) use attention::attention_reference;
 pub(crate) use attention::{attention, MaskSpec};
+pub use attention::{attention_kernel, AttentionKernel};
 pub(crate) use attention_packed::attention_packed;
 pub(crate) use linear::{linear, Act};
 pub(crate) use loss::{cross_entropy, linear_cross_entropy};

@@ -18,6 +18,7 @@ mod norm;
 mod rope;
 mod softmax;
 
+pub use crate::kernels::{attention_kernel, AttentionKernel};
 pub use activation::{gelu, gelu_tanh, relu, silu, swiglu, Activation};
 pub use attention::{attention_qkv, scaled_dot_product_attention, AttentionMask};
 pub use dropout::dropout;

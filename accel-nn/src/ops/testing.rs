@@ -60,7 +60,12 @@ fn weighted(f: Op, xs: &[Tensor], seed: u64) -> Result<(Tensor, Tensor)> {
 }
 
 /// Gradients of the weighted loss of `f` at `xs` (as Vars of `dtype`).
-fn grads(f: Op, xs: &[Tensor], dtype: DType, seed: u64) -> Result<(Tensor, Vec<Tensor>)> {
+pub(crate) fn grads(
+    f: Op,
+    xs: &[Tensor],
+    dtype: DType,
+    seed: u64,
+) -> Result<(Tensor, Vec<Tensor>)> {
     let vars = xs
         .iter()
         .map(|x| Var::from_tensor(&x.to_dtype(dtype)?))
