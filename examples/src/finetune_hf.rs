@@ -185,7 +185,8 @@ pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(u
     Ok((rank * per, (rank + 1) * per))
 }
 
-/// The `--json` setup line: the run's kind, then `extra` (`, "key": value`
+/// The `--json` setup line: the run's kind, parameter counts, the attention
+/// kernel (`tiled`, `reference` or `composed`), then `extra` (`, "key": value`
 /// pairs) before the closing braces. Written by hand to keep the keys in
 /// this order (serde_json sorts them).
 ///
@@ -200,11 +201,18 @@ pub(crate) fn setup_line(
     extra: &str,
 ) -> Result<String> {
     let (trainable, all) = parameter_counts(params, dir)?;
+    // The fused CPU attention's kernel; on other devices the composed ops run.
+    let attention = if acc.device().is_cpu() {
+        accel_core::nn::ops::attention_kernel()?.name()
+    } else {
+        "composed"
+    };
     Ok(format!(
-        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {tokens_per_step}{extra}}}}}"#,
+        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {tokens_per_step}, "attention": {}{extra}}}}}"#,
         json!(acc.distributed_type().to_string()),
         json!(acc.mixed_precision().to_string()),
         acc.num_processes(),
+        json!(attention),
     ))
 }
 
