@@ -42,9 +42,16 @@ fn targets_of<'a>(s: &'a CpuStorage, l: &Layout, n: usize, classes: usize) -> Re
 /// Per-row log-sum-exp of `logits [n, c]` and the mean loss over rows
 /// that are not ignored.
 fn lse_and_loss(logits: &[f32], targets: &[u32], c: usize) -> (Vec<f32>, f32) {
+    let (lse, partials) = lse_and_partials(logits, targets, c);
+    (lse, mean_of(&partials, targets))
+}
+
+/// Per-row log-sum-exp of `logits [n, c]` and the loss summed over each
+/// block of [`rows_per_reduction`] rows: blocks of a fixed size, added in
+/// order by [`mean_of`], so the loss's bits depend neither on the thread
+/// count nor on how the rows were split into chunks aligned to the blocks.
+fn lse_and_partials(logits: &[f32], targets: &[u32], c: usize) -> (Vec<f32>, Vec<f64>) {
     let n = targets.len();
-    // Blocks of a fixed size, their sums added in order: the loss's bits do
-    // not depend on the thread count (see `rows_per_reduction`).
     let rows = rows_per_reduction(c);
     let mut lse = vec![0f32; n];
     let mut partials = vec![0f64; n.div_ceil(rows.max(1))];
@@ -59,16 +66,16 @@ fn lse_and_loss(logits: &[f32], targets: &[u32], c: usize) -> (Vec<f32>, f32) {
             sum[0] += (*lse - row[t as usize]) as f64;
         }
     });
+    (lse, partials)
+}
+
+/// The mean loss from the block sums of all rows, in order.
+fn mean_of(partials: &[f64], targets: &[u32]) -> f32 {
     let total: f64 = partials.iter().sum();
-    let count = valid_count(targets);
-    (
-        lse,
-        if count == 0 {
-            0.0
-        } else {
-            (total / count as f64) as f32
-        },
-    )
+    match valid_count(targets) {
+        0 => 0.0,
+        count => (total / count as f64) as f32,
+    }
 }
 
 /// Rows that count towards the mean.
@@ -150,18 +157,49 @@ impl CustomOp2 for CrossEntropy {
 /// u32 `targets [n]`, computed in f32; an f32 scalar, differentiable in `x`
 /// and `w`.
 pub(crate) fn linear_cross_entropy(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    linear_cross_entropy_within(x, w, targets, LOGITS_BUDGET)
+}
+
+/// [`linear_cross_entropy`] holding at most `budget` logits at once.
+fn linear_cross_entropy_within(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tensor,
+    budget: usize,
+) -> Result<Tensor> {
     x.contiguous()?.apply_op3(
         &w.contiguous()?,
         &targets.contiguous()?,
-        LinearCrossEntropy::default(),
+        LinearCrossEntropy {
+            budget,
+            state: Mutex::default(),
+        },
     )
 }
 
-/// Keeps the f32 logits and their row log-sum-exps between forward and
-/// backward. Backward consumes them; a second backward recomputes them.
-#[derive(Default)]
+/// Keeps the row log-sum-exps between forward and backward, and the f32
+/// logits when they fit [`LOGITS_BUDGET`]. Backward consumes them; a second
+/// backward recomputes them.
 struct LinearCrossEntropy {
-    state: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+    budget: usize,
+    state: Mutex<Option<(Option<Vec<f32>>, Vec<f32>)>>,
+}
+
+/// The most logits (elements) `linear_cross_entropy` holds at once: 64 MiB
+/// of f32. Past it, rows go in chunks and backward recomputes each chunk's
+/// logits (one more `n x c x d` product) instead of keeping `[n, c]` whole,
+/// which at 8192 tokens of a 32000-word vocabulary would be 1 GiB.
+const LOGITS_BUDGET: usize = 16 << 20;
+
+/// Rows per chunk for `n` rows of `c` logits: all of them within the
+/// budget, else a multiple of [`rows_per_reduction`] (so the loss is the
+/// same bits as unchunked) that fits it.
+fn chunk_rows(n: usize, c: usize, budget: usize) -> usize {
+    if n.saturating_mul(c) <= budget {
+        return n.max(1);
+    }
+    let block = rows_per_reduction(c);
+    ((budget / c.max(1)) / block).max(1) * block
 }
 
 /// `x [n, d] @ w [c, d]^T` in f32, with bf16 products when `bf16`.
@@ -172,6 +210,27 @@ fn logits(bf16: bool, x: &[f32], w: &[f32], n: usize, d: usize, c: usize) -> Vec
         MatRef::rows(x, 0, d),
         MatRef::rows_t(w, 0, d),
     )
+}
+
+/// The forward over chunks of `per` rows: row log-sum-exps and the loss.
+fn chunked_forward(
+    bf16: bool,
+    (x, w): (&[f32], &[f32]),
+    targets: &[u32],
+    (d, c): (usize, usize),
+    per: usize,
+) -> (Vec<f32>, f32) {
+    let n = targets.len();
+    let (mut lse, mut partials) = (Vec::with_capacity(n), vec![]);
+    for r0 in (0..n).step_by(per) {
+        let m = per.min(n - r0);
+        let l = logits(bf16, &x[r0 * d..(r0 + m) * d], w, m, d, c);
+        let (cl, cp) = lse_and_partials(&l, &targets[r0..r0 + m], c);
+        lse.extend(cl);
+        partials.extend(cp);
+    }
+    let loss = mean_of(&partials, targets);
+    (lse, loss)
 }
 
 impl CustomOp3 for LinearCrossEntropy {
@@ -195,9 +254,18 @@ impl CustomOp3 for LinearCrossEntropy {
         }
         let targets = targets_of(s3, l3, n, c)?;
         let bf16 = bf16_products(s1.dtype(), s2.dtype());
-        let logits = logits(bf16, &as_f32(s1, l1)?, &as_f32(s2, l2)?, n, d, c);
-        let (lse, loss) = lse_and_loss(&logits, targets, c);
-        *self.state.lock().unwrap() = Some((logits, lse));
+        let (xs, ws) = (as_f32(s1, l1)?, as_f32(s2, l2)?);
+        let per = chunk_rows(n, c, self.budget);
+        let loss = if per >= n {
+            let logits = logits(bf16, &xs, &ws, n, d, c);
+            let (lse, loss) = lse_and_loss(&logits, targets, c);
+            *self.state.lock().unwrap() = Some((Some(logits), lse));
+            loss
+        } else {
+            let (lse, loss) = chunked_forward(bf16, (&xs, &ws), targets, (d, c), per);
+            *self.state.lock().unwrap() = Some((None, lse));
+            loss
+        };
         Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
     }
 
@@ -215,29 +283,50 @@ impl CustomOp3 for LinearCrossEntropy {
         let scale = mean_grad(grad, &targets)?;
         let state = self.state.lock().unwrap().take();
         let bf16 = bf16_products(x.dtype(), w.dtype());
-        let (mut dl, lse) = match state {
+        let per = chunk_rows(n, c, self.budget);
+        let (kept, lse) = match state {
             Some(s) => s,
             None => {
-                let l = with_f32(x, |xs| with_f32(w, |ws| Ok(logits(bf16, xs, ws, n, d, c))))?;
-                let (lse, _) = lse_and_loss(&l, &targets, c);
-                (l, lse)
+                let (lse, _) = with_f32(x, |xs| {
+                    with_f32(w, |ws| {
+                        Ok(chunked_forward(bf16, (xs, ws), &targets, (d, c), per))
+                    })
+                })?;
+                (None, lse)
             }
         };
-        softmax_minus_onehot(&mut dl, &lse, &targets, c, scale);
+        let (want_dx, want_dw) = (x.track_op(), w.track_op());
         let (dx, dw) = with_f32(x, |xs| {
             with_f32(w, |ws| {
-                let dx = if x.track_op() {
-                    let dl_rows = MatRef::rows(&dl, 0, c);
-                    Some(product(bf16, (n, d, c), dl_rows, MatRef::rows(ws, 0, d)))
-                } else {
-                    None
-                };
-                let dw = if w.track_op() {
-                    let dl_t = MatRef::rows_t(&dl, 0, c);
-                    Some(product(bf16, (c, d, n), dl_t, MatRef::rows(xs, 0, d)))
-                } else {
-                    None
-                };
+                let mut dx = want_dx.then(|| Vec::with_capacity(n * d));
+                let mut dw: Option<Vec<f32>> = None;
+                let mut kept = kept;
+                for r0 in (0..n).step_by(per.max(1)) {
+                    let m = per.min(n - r0);
+                    let xc = &xs[r0 * d..(r0 + m) * d];
+                    // The kept logits (one chunk), else this chunk's again.
+                    let mut dl = match kept.take() {
+                        Some(l) => l,
+                        None => logits(bf16, xc, ws, m, d, c),
+                    };
+                    let t = &targets[r0..r0 + m];
+                    softmax_minus_onehot(&mut dl, &lse[r0..r0 + m], t, c, scale);
+                    if let Some(dx) = dx.as_mut() {
+                        let dl_rows = MatRef::rows(&dl, 0, c);
+                        dx.extend(product(bf16, (m, d, c), dl_rows, MatRef::rows(ws, 0, d)));
+                    }
+                    if want_dw {
+                        let dl_t = MatRef::rows_t(&dl, 0, c);
+                        let part = product(bf16, (c, d, m), dl_t, MatRef::rows(xc, 0, d));
+                        match dw.as_mut() {
+                            None => dw = Some(part),
+                            Some(acc) => acc.iter_mut().zip(&part).for_each(|(a, b)| *a += b),
+                        }
+                    }
+                }
+                if want_dw && dw.is_none() {
+                    dw = Some(vec![0.0; c * d]);
+                }
                 Ok((dx, dw))
             })
         })?;
@@ -248,5 +337,54 @@ impl CustomOp3 for LinearCrossEntropy {
             .map(|v| tensor_from_f32(v, (c, d), w.dtype()))
             .transpose()?;
         Ok((dx, dw, None))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+    use crate::ops::testing::randn;
+
+    /// Chunked rows (a budget of a few rows, several chunks, a ragged last
+    /// one, ignored rows) give the unchunked loss to the bit, and its
+    /// gradients to rounding.
+    #[test]
+    fn chunks_give_the_whole_logits_result() -> Result<()> {
+        // Wide rows: a reduction block is a few rows, so chunks can be small.
+        let (n, d, c) = (37, 8, 4096);
+        let x = Var::from_tensor(&randn(&[n, d], 1, 1.0)?)?;
+        let w = Var::from_tensor(&randn(&[c, d], 2, 1.0)?)?;
+        let t: Vec<u32> = (0..n as u32)
+            .map(|i| {
+                if i % 7 == 3 {
+                    IGNORED
+                } else {
+                    (i * 13) % c as u32
+                }
+            })
+            .collect();
+        let t = Tensor::new(t, &Device::Cpu)?;
+        let run = |budget| -> Result<(f32, Tensor, Tensor)> {
+            let loss = linear_cross_entropy_within(&x, &w, &t, budget)?;
+            let g = loss.backward()?;
+            Ok((
+                loss.to_scalar::<f32>()?,
+                g.get(x.as_tensor()).unwrap().clone(),
+                g.get(w.as_tensor()).unwrap().clone(),
+            ))
+        };
+        let (whole, dx, dw) = run(usize::MAX)?;
+        assert!(chunk_rows(n, c, 5 * c) < n);
+        for budget in [c, 5 * c, 36 * c] {
+            let (loss, cx, cw) = run(budget)?;
+            assert_eq!(loss.to_bits(), whole.to_bits(), "budget {budget}");
+            for (a, b) in [(&cx, &dx), (&cw, &dw)] {
+                let e = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert!(e < 1e-6, "budget {budget}: gradient differs by {e}");
+            }
+        }
+        Ok(())
     }
 }
