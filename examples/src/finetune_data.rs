@@ -70,7 +70,13 @@ pub fn run(
         DataLoaderConfig::new(args.batch_size).with_shuffle(true),
     );
     let loader = acc.prepare_data_loader(loader);
-    let (model, params, sharding) = prepare_model(&mut acc, cfg, &args.model, lora)?;
+    let (model, params, sharding) = prepare_model(
+        &mut acc,
+        cfg,
+        &args.model,
+        lora,
+        args.gradient_checkpointing,
+    )?;
     let mut opt = acc.prepare_optimizer(
         &params,
         AdamW::new(AdamWConfig {
@@ -82,7 +88,8 @@ pub fn run(
     let main = acc.is_main_process();
     let world = acc.num_processes();
     let extra = format!(
-        r#", "train_windows": {windows}, "eval_windows": {}, "seq_len": {}"#,
+        r#", "gradient_checkpointing": {}, "train_windows": {windows}, "eval_windows": {}, "seq_len": {}"#,
+        args.gradient_checkpointing,
         eval.len(),
         args.seq_len
     );

@@ -15,7 +15,9 @@ use std::path::{Path, PathBuf};
 
 use accel_core::bigmodel::lora::{adapter_module, LoraConfig, LoraTargets, LORA_A};
 use accel_core::dist::ReduceOp;
+use accel_core::fsdp::FullyShardedDataParallelPlugin;
 use accel_core::models::{AutoModel, ModelConfig};
+use accel_core::nn::block::apply_activation_checkpointing;
 use accel_core::nn::layers::LoraSpec;
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType, PreparedModel};
@@ -92,6 +94,10 @@ pub struct Args {
     /// Dropout on the adapters' input while training.
     #[arg(long, default_value_t = 0.0, requires = "lora_r")]
     pub lora_dropout: f32,
+    /// Recompute each decoder layer in backward instead of keeping its activations
+    /// (transformers' gradient_checkpointing_enable; under FSDP, each unit).
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
     /// Modules that get adapters, as PEFT names them (q_proj,v_proj), or all-linear
     /// [default: PEFT's for the architecture: q_proj,v_proj; c_attn for gpt2].
     #[arg(long, requires = "lora_r")]
@@ -275,9 +281,26 @@ fn build(cfg: &ModelConfig, vb: candle_nn::VarBuilder) -> accel_core::Result<Aut
 }
 
 /// Builds the model as the run trains (plain, DDP or FSDP), its parameters
-/// starting from the folder's weights, and returns it with its parameters
-/// and the `sharding` value of the setup line.
+/// starting from the folder's weights (LoRA adapters on them with `lora`;
+/// each decoder layer recomputed in backward with `checkpointing`), and
+/// returns it with its parameters and the `sharding` value of the setup line.
 pub(crate) fn prepare_model(
+    acc: &mut Accelerator,
+    cfg: &ModelConfig,
+    dir: &Path,
+    lora: Option<&LoraSpec>,
+    checkpointing: bool,
+) -> Result<(AutoModel, PreparedModel, Value)> {
+    let (model, params, sharding) = prepare_unchecked(acc, cfg, dir, lora)?;
+    if checkpointing && acc.config().fsdp.is_none() {
+        // Under FSDP the units checkpoint themselves (the plugin's setting).
+        apply_activation_checkpointing(&model, &[model.layer_class()])?;
+    }
+    Ok((model, params, sharding))
+}
+
+/// [`prepare_model`] before activation checkpointing.
+fn prepare_unchecked(
     acc: &mut Accelerator,
     cfg: &ModelConfig,
     dir: &Path,
@@ -320,18 +343,29 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     let mut cfg = accel_core::models::ModelConfig::from_path(&args.model)?;
     let vocab = decoder_vocab(&cfg, &args.model)?;
     let lora = args.lora(&mut cfg)?;
-    let config = AcceleratorConfig {
+    let mut config = AcceleratorConfig {
         // Unset: Accelerator::new takes the launcher's precision, then `no`.
         mixed_precision: args.mixed_precision,
         seed: Some(args.seed),
         ..Default::default()
     };
+    if args.gradient_checkpointing {
+        // An FSDP unit recomputes itself: the launcher's plugin, checkpointing.
+        config.fsdp = FullyShardedDataParallelPlugin::from_env()?
+            .map(|p| p.with_activation_checkpointing(true));
+    }
     let Some(data_ids) = &args.data_ids else {
         return crate::finetune_data::run(args, &cfg, lora.as_ref(), config, out);
     };
     let batch = read_batch(data_ids, vocab)?;
     let mut acc = Accelerator::new(config)?;
-    let (model, params, sharding) = prepare_model(&mut acc, &cfg, &args.model, lora.as_ref())?;
+    let (model, params, sharding) = prepare_model(
+        &mut acc,
+        &cfg,
+        &args.model,
+        lora.as_ref(),
+        args.gradient_checkpointing,
+    )?;
     let mut opt = acc.prepare_optimizer(
         &params,
         AdamW::new(AdamWConfig {
@@ -350,7 +384,18 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     let tokens = ((end - start) * (len - 1)) as f64;
 
     let main = acc.is_main_process();
-    let setup = setup_line(&acc, &params, &args.model, &sharding, batch.len() * len, "")?;
+    let extra = format!(
+        r#", "gradient_checkpointing": {}"#,
+        args.gradient_checkpointing
+    );
+    let setup = setup_line(
+        &acc,
+        &params,
+        &args.model,
+        &sharding,
+        batch.len() * len,
+        &extra,
+    )?;
     if main {
         if args.json {
             writeln!(out, "{setup}")?;
