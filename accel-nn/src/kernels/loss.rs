@@ -182,8 +182,11 @@ fn linear_cross_entropy_within(
 /// backward recomputes them.
 struct LinearCrossEntropy {
     budget: usize,
-    state: Mutex<Option<(Option<Vec<f32>>, Vec<f32>)>>,
+    state: Mutex<Option<Kept>>,
 }
+
+/// The logits when they were kept whole, and every row's log-sum-exp.
+type Kept = (Option<Vec<f32>>, Vec<f32>);
 
 /// The most logits (elements) `linear_cross_entropy` holds at once: 64 MiB
 /// of f32. Past it, rows go in chunks and backward recomputes each chunk's
