@@ -127,7 +127,10 @@ fn ensure_checkpoint(model: Option<PathBuf>) -> Result<PathBuf> {
     if let Some(dir) = model {
         return Ok(dir);
     }
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench_llama_4l_32k"));
+    let dir = PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../target/bench_llama_4l_32k"
+    ));
     if !dir.join("config.json").is_file() {
         let status = Command::new("python3")
             .args([SCRIPT, "write"])
@@ -167,12 +170,15 @@ fn main() -> Result<()> {
             Value::Null
         } else {
             let mut cmd = Command::new("python3");
-            cmd.args([SCRIPT, "step"]).arg(&dir).arg(t.to_string()).args([
-                "--threads",
-                &threads.to_string(),
-                "--steps",
-                &args.steps.to_string(),
-            ]);
+            cmd.args([SCRIPT, "step"])
+                .arg(&dir)
+                .arg(t.to_string())
+                .args([
+                    "--threads",
+                    &threads.to_string(),
+                    "--steps",
+                    &args.steps.to_string(),
+                ]);
             if ckpt {
                 cmd.arg("--checkpointing");
             }
