@@ -4,14 +4,16 @@
 //!
 //! ```text
 //! cargo run --release --example bench_lora -- --json [--model DIR] [--steps N]
-//!     [--seq-len T] [--batch B] [--no-python]
+//!     [--seq-len T] [--batch B] [--mixed-precision bf16|no] [--no-python]
 //! ```
 //! Without `--model`, the checkpoint is `target/bench_llama_2gb`, written by
 //! `scripts/bench_bigmodel_torch.py write` when absent (needs `pip install
 //! torch transformers`).
 //!
 //! Three sides, each in a process of its own (peak RSS is per process), in
-//! this order, with the page cache warm:
+//! this order, with the page cache warm (as written for the default
+//! `--mixed-precision bf16`; with `no` every side is fp32, PEFT's model
+//! loaded in float32):
 //! - `accel_rs_lora`: [`Accelerator::prepare_lora`], r 8, alpha 16 on
 //!   q_proj,v_proj, bf16 mixed precision (the frozen base held in bf16
 //!   alone, the adapters with fp32 masters), AdamW lr 1e-4;
@@ -364,7 +366,8 @@ fn ensure_checkpoint(model: Option<&Path>) -> Result<PathBuf> {
             );
         }
     }
-    Ok(d)
+    // Canonical, so the JSON names the folder without `examples/..`.
+    Ok(d.canonicalize().unwrap_or(d))
 }
 
 /// `a / b` of one numeric field, rounded; null when either is missing.
