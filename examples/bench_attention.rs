@@ -18,6 +18,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use accel_core::nn::ops::{self, AttentionMask};
+use accel_examples::bench_proc::{run_side, status_kib};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor, Var};
 use clap::Parser;
@@ -56,15 +57,6 @@ const H: usize = 8;
 const KVH: usize = 4;
 const D: usize = 64;
 
-fn status_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or("");
-    line.split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// One length in this process (the kernel was chosen by `ACCEL_ATTENTION`).
 fn child(t: usize, reps: usize) -> Result<Value> {
     let dev = Device::Cpu;
@@ -102,17 +94,6 @@ fn child(t: usize, reps: usize) -> Result<Value> {
         "op_peak_mib": peak.saturating_sub(before) as f64 / 1024.0,
         "kernel": ops::attention_kernel()?.name(),
     }))
-}
-
-/// The last line of a child's output, as JSON.
-fn run_side(cmd: &mut Command, what: &str) -> Result<Value> {
-    let out = cmd.output().with_context(|| format!("running {what}"))?;
-    if !out.status.success() {
-        bail!("{what} failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or("");
-    serde_json::from_str(last).with_context(|| format!("{what} printed {last:?}"))
 }
 
 fn main() -> Result<()> {

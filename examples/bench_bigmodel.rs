@@ -26,7 +26,8 @@ use std::time::Instant;
 use accel_core::bigmodel::{mapped, DeviceMap, MappedAlloc, Placement};
 use accel_core::models::AutoModel;
 use accel_core::nn::{DeviceMapChoice, LoadDispatchOptions, Model};
-use anyhow::{bail, Context, Result};
+use accel_examples::bench_proc::{run_side, status_kib};
+use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use clap::Parser;
 use serde_json::{json, Value};
@@ -60,15 +61,6 @@ const SCRIPT: &str = concat!(
     "/../scripts/bench_bigmodel_torch.py"
 );
 
-fn status_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or("");
-    line.split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// Embeddings, the first half of the layers, the final norm and the head on
 /// the CPU; the second half of the layers on disk.
 fn half_on_disk(model: &AutoModel) -> DeviceMap {
@@ -88,22 +80,6 @@ fn half_on_disk(model: &AutoModel) -> DeviceMap {
         );
     }
     map
-}
-
-/// The last line of a side's output, as JSON.
-fn run_side(cmd: &mut Command, what: &str) -> Result<Value> {
-    let out = cmd
-        .output()
-        .with_context(|| format!("running the {what} side"))?;
-    if !out.status.success() {
-        bail!(
-            "{what} side failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or("");
-    serde_json::from_str(last).with_context(|| format!("{what} side printed {last:?}"))
 }
 
 fn python(dir: &Path, map: &Path, offload: &Path) -> Result<Value> {

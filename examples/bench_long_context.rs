@@ -21,6 +21,7 @@ use accel_core::models::{AutoModel, ModelConfig};
 use accel_core::nn::block::apply_activation_checkpointing;
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig};
+use accel_examples::bench_proc::{run_side, status_kib};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use clap::Parser;
@@ -55,15 +56,6 @@ const SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../scripts/bench_long_context_torch.py"
 );
-
-fn status_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or("");
-    line.split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 /// One length in this process.
 fn child(dir: &Path, t: usize, checkpointing: bool, steps: usize) -> Result<Value> {
@@ -110,17 +102,6 @@ fn child(dir: &Path, t: usize, checkpointing: bool, steps: usize) -> Result<Valu
         "gradient_checkpointing": checkpointing,
         "attention": accel_core::nn::ops::attention_kernel()?.name(),
     }))
-}
-
-/// The last line of a child's output, as JSON.
-fn run_side(cmd: &mut Command, what: &str) -> Result<Value> {
-    let out = cmd.output().with_context(|| format!("running {what}"))?;
-    if !out.status.success() {
-        bail!("{what} failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or("");
-    serde_json::from_str(last).with_context(|| format!("{what} printed {last:?}"))
 }
 
 fn ensure_checkpoint(model: Option<PathBuf>) -> Result<PathBuf> {

@@ -38,6 +38,7 @@ use accel_core::bigmodel::lora::{LoraConfig, LoraTargets};
 use accel_core::models::{AutoModel, ModelConfig};
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
+use accel_examples::bench_proc::{run_side, status_kib};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use clap::{Parser, ValueEnum};
@@ -90,16 +91,6 @@ const WRITE_SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/../scripts/bench_bigmodel_torch.py"
 );
-
-/// A field of /proc/self/status in KiB (0 when absent).
-fn status_kib(field: &str) -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let line = status.lines().find(|l| l.starts_with(field)).unwrap_or("");
-    line.split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 /// Resets the process's VmHWM to its current resident set (Linux 4.0 and
 /// later), so the next reading is the peak of what follows; false where the
@@ -247,27 +238,6 @@ fn child(side: Side, dir: &Path, args: &Args) -> Result<Value> {
         "all_parameters": all,
         "gradient_elements": grad_elements,
     }))
-}
-
-/// The last line of a side's standard output, as JSON.
-fn run_side(cmd: &mut Command, what: &str) -> Result<Value> {
-    let out = cmd
-        .output()
-        .with_context(|| format!("starting the {what} side"))?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        // The end of a Python traceback or a Rust error says what failed.
-        let tail: Vec<&str> = stderr.lines().rev().take(20).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
-        bail!(
-            "the {what} side failed ({}):\n{}",
-            out.status,
-            tail.join("\n")
-        );
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or("");
-    serde_json::from_str(last).with_context(|| format!("the {what} side printed {last:?}"))
 }
 
 fn rust_side(side: Side, dir: &Path, args: &Args) -> Result<Value> {

@@ -192,7 +192,7 @@ pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(u
 }
 
 /// The `--json` setup line: the run's kind, parameter counts, the attention
-/// kernel (`tiled`, `reference` or `composed`), then `extra` (`, "key": value`
+/// kernel choice (`auto`, `tiled`, `reference`; `composed` off the CPU), then `extra` (`, "key": value`
 /// pairs) before the closing braces. Written by hand to keep the keys in
 /// this order (serde_json sorts them).
 ///

@@ -67,6 +67,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod bench_proc;
 pub mod devices;
 pub mod finetune_candle;
 pub mod finetune_data;

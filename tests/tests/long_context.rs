@@ -67,15 +67,17 @@ fn checkpointing_and_either_attention_kernel_train_alike() {
     let tmp = tempfile::tempdir().unwrap();
     let ids = ids_file(tmp.path());
     let (setup, plain) = one(&ids, &[], None);
-    assert_eq!(setup["attention"], "tiled", "{setup}");
+    assert_eq!(setup["attention"], "auto", "{setup}");
     assert_eq!(setup["gradient_checkpointing"], false, "{setup}");
     assert!(plain[3] < plain[0], "{plain:?}");
     let (setup, ckpt) = one(&ids, &["--gradient-checkpointing"], None);
     assert_eq!(setup["gradient_checkpointing"], true, "{setup}");
     assert_close(&plain, &ckpt, "--gradient-checkpointing");
-    let (setup, reference) = one(&ids, &[], Some("reference"));
-    assert_eq!(setup["attention"], "reference", "{setup}");
-    assert_close(&plain, &reference, "ACCEL_ATTENTION=reference");
+    for kernel in ["tiled", "reference"] {
+        let (setup, forced) = one(&ids, &[], Some(kernel));
+        assert_eq!(setup["attention"], kernel, "{setup}");
+        assert_close(&plain, &forced, &format!("ACCEL_ATTENTION={kernel}"));
+    }
     let (_, lora_ckpt) = one(&ids, &["--gradient-checkpointing", "--lora-r", "4"], None);
     let (_, lora) = one(&ids, &["--lora-r", "4"], None);
     assert_close(&lora, &lora_ckpt, "LoRA with --gradient-checkpointing");

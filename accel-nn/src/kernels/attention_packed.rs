@@ -31,13 +31,14 @@ pub(crate) fn attention_packed(
 ) -> Result<Tensor> {
     let qkv = qkv.contiguous()?;
     let scale = scale as f32;
-    match attention_kernel()? {
-        AttentionKernel::Tiled => qkv.apply_op1(Packed {
-            inner: Flash::new(mask, scale),
-            n_head,
-        }),
+    let (b, t, _) = qkv.dims3()?;
+    match attention_kernel()?.resolve(b * n_head, t, t) {
         AttentionKernel::Reference => qkv.apply_op1(Packed {
             inner: Attention::new(mask, scale),
+            n_head,
+        }),
+        _ => qkv.apply_op1(Packed {
+            inner: Flash::new(mask, scale),
             n_head,
         }),
     }

@@ -7,8 +7,9 @@
 use candle_core::{DType, Device, Result, Tensor};
 
 use super::{BC, BR};
-use crate::kernels::{attention, attention_reference, MaskSpec};
-use crate::ops::testing::{assert_close, grads, randn};
+use crate::kernels::{attention_reference, attention_tiled as attention, MaskSpec};
+use crate::ops::testing::{assert_close, check_op, grads, randn};
+use crate::ops::{composed, AttentionMask};
 
 /// (b, h, kv_h, t, s, d)
 type Shape6 = (usize, usize, usize, usize, usize, usize);
@@ -109,4 +110,20 @@ fn padding_with_fully_masked_rows_and_a_full_bias() -> Result<()> {
     let first = y.narrow(0, 1, 1)?.narrow(2, 0, 40)?;
     assert_eq!(first.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
     Ok(())
+}
+
+/// The tiled kernel against the composed ops and finite differences (f64
+/// and f32), in f32, bf16 and f16, over two query tiles and two key tiles.
+#[test]
+fn finite_differences_over_several_tiles() -> Result<()> {
+    let (t, s) = (BR + 2, BC + 3);
+    let dims = (1, 2, 1, t, s, 4);
+    let mask = AttentionMask::Causal { offset: s - t };
+    let scale = 0.5;
+    check_op(
+        &[vec![1, 2, t, 4], vec![1, 1, s, 4], vec![1, 1, s, 4]],
+        40,
+        &|x| attention(&x[0], &x[1], &x[2], spec(Some(s - t), None, dims)?, scale),
+        &|x| composed::scaled_dot_product_attention(&x[0], &x[1], &x[2], &mask, scale),
+    )
 }

@@ -39,10 +39,10 @@ mod skinny;
 mod softmax;
 
 pub(crate) use act::{pointwise, swiglu};
-#[cfg(test)]
-pub(crate) use attention::attention_reference;
 pub(crate) use attention::{attention, MaskSpec};
 pub use attention::{attention_kernel, AttentionKernel};
+#[cfg(test)]
+pub(crate) use attention::{attention_reference, attention_tiled};
 pub(crate) use attention_packed::attention_packed;
 pub(crate) use linear::{linear, Act};
 pub(crate) use loss::{cross_entropy, linear_cross_entropy};
