@@ -267,6 +267,17 @@ impl Flash {
             .zip(y.chunks_exact(d))
             .map(|(gr, yr)| math::dot(gr, yr))
             .collect();
+        let c = Back {
+            qkv: (q, k, v),
+            g,
+            lse,
+            delta: &delta,
+            dims,
+            bias,
+        };
+        if b * kvh < par::threads() {
+            return Ok(self.backward_split(&c));
+        }
         par::chunks_mut3(
             (&mut dq, n_rep * t * d),
             (&mut dk, s * d),
@@ -274,53 +285,29 @@ impl Flash {
             |group, dq, dk, dv| {
                 let (bi, kv) = (group / kvh, group % kvh);
                 let mut p = vec![0f32; BR * BC];
-                let mut dp = vec![0f32; BR * BC];
+                let mut ds = vec![0f32; BR * BC];
                 for r in 0..n_rep {
                     let bh = bi * h + kv * n_rep + r;
                     let head = self.head((q, k, v), dims, bh);
                     for r0 in (0..t).step_by(BR) {
                         let br = BR.min(t - r0);
-                        let row0 = bh * t + r0;
                         let end = self.key_end(r0 + br, s);
                         for j0 in (0..end).step_by(BC) {
                             let bc = BC.min(end - j0);
-                            let (p, dp) = (&mut p[..br * bc], &mut dp[..br * bc]);
-                            self.scores(p, (q, k), head, (r0, br), (j0, bc), d, bias);
-                            for (rr, row) in p.chunks_exact_mut(bc).enumerate() {
-                                exp_shifted(row, lse[row0 + rr]);
-                            }
-                            let dy = MatRef::rows(g, row0 * d, d);
-                            // dV_j += P^T dY
-                            let p_t = MatRef::rows_t(p, 0, bc);
-                            gemm((bc, d, br), dv, j0 * d, d, true, p_t, dy, 1.0, false);
-                            // dP = dY V_j^T
-                            let vt = MatRef::rows_t(v.0, head.vo + j0 * v.2[2], v.2[2]);
-                            gemm((br, bc, d), dp, 0, bc, false, dy, vt, 1.0, false);
-                            // dS = P * (dP - D) * scale
-                            for (rr, (dr, pr)) in
-                                dp.chunks_exact_mut(bc).zip(p.chunks_exact(bc)).enumerate()
-                            {
-                                let dl = delta[row0 + rr];
-                                dr.iter_mut()
-                                    .zip(pr)
-                                    .for_each(|(a, &pv)| *a = pv * (*a - dl) * self.scale);
-                            }
-                            // dQ_i += dS K_j, dK_j += dS^T Q_i
+                            let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
+                            self.tile_grads(&c, head, bh, (r0, br), (j0, bc), p, ds);
+                            let dy = MatRef::rows(g, (bh * t + r0) * d, d);
                             let kt = MatRef::rows(k.0, head.ko + j0 * k.2[2], k.2[2]);
-                            let ds = MatRef::rows(dp, 0, bc);
-                            gemm(
-                                (br, d, bc),
-                                dq,
-                                (r * t + r0) * d,
-                                d,
-                                true,
-                                ds,
-                                kt,
-                                1.0,
-                                false,
-                            );
                             let qt = MatRef::rows(q.0, head.qo + r0 * q.2[2], q.2[2]);
-                            let ds_t = MatRef::rows_t(dp, 0, bc);
+                            let (p_t, ds_r, ds_t) = (
+                                MatRef::rows_t(p, 0, bc),
+                                MatRef::rows(ds, 0, bc),
+                                MatRef::rows_t(ds, 0, bc),
+                            );
+                            // dV_j += P^T dY, dQ_i += dS K_j, dK_j += dS^T Q_i
+                            gemm((bc, d, br), dv, j0 * d, d, true, p_t, dy, 1.0, false);
+                            let dq_off = (r * t + r0) * d;
+                            gemm((br, d, bc), dq, dq_off, d, true, ds_r, kt, 1.0, false);
                             gemm((bc, d, br), dk, j0 * d, d, true, ds_t, qt, 1.0, false);
                         }
                     }
@@ -328,6 +315,125 @@ impl Flash {
             },
         );
         Ok((dq, dk, dv))
+    }
+}
+
+/// What every backward tile reads besides its position.
+struct Back<'a> {
+    qkv: (View<'a>, View<'a>, View<'a>),
+    /// The output gradient `[b, h, t, d]`.
+    g: &'a [f32],
+    /// The forward's log-sum-exp per query row.
+    lse: &'a [f32],
+    /// `rowsum(dY * Y)` per query row.
+    delta: &'a [f32],
+    dims: Dims,
+    bias: Bias<'a>,
+}
+
+impl Flash {
+    /// The probabilities `P` (into `p`) and score gradients
+    /// `dS = P * (dY V^T - D) * scale` (into `ds`) of query rows
+    /// `r0..r0 + br` of head `bh` against keys `j0..j0 + bc`.
+    #[allow(clippy::too_many_arguments)]
+    fn tile_grads(
+        &self,
+        c: &Back<'_>,
+        head: Head,
+        bh: usize,
+        (r0, br): (usize, usize),
+        (j0, bc): (usize, usize),
+        p: &mut [f32],
+        ds: &mut [f32],
+    ) {
+        let (q, k, v) = c.qkv;
+        let (t, d) = (c.dims.t, c.dims.d);
+        let row0 = bh * t + r0;
+        self.scores(p, (q, k), head, (r0, br), (j0, bc), d, c.bias);
+        for (rr, row) in p.chunks_exact_mut(bc).enumerate() {
+            exp_shifted(row, c.lse[row0 + rr]);
+        }
+        let dy = MatRef::rows(c.g, row0 * d, d);
+        let vt = MatRef::rows_t(v.0, head.vo + j0 * v.2[2], v.2[2]);
+        gemm((br, bc, d), ds, 0, bc, false, dy, vt, 1.0, false);
+        for (rr, (dr, pr)) in ds.chunks_exact_mut(bc).zip(p.chunks_exact(bc)).enumerate() {
+            let dl = c.delta[row0 + rr];
+            dr.iter_mut()
+                .zip(pr)
+                .for_each(|(a, &pv)| *a = pv * (*a - dl) * self.scale);
+        }
+    }
+
+    /// The backward for fewer (batch, kv head) groups than threads: one pass
+    /// of tasks per (group, key tile) for dK and dV, and one per (head,
+    /// query tile) for dQ. Each recomputes the tile's `P` and `dS`, two
+    /// products more per tile than one pass, but every thread has work.
+    fn backward_split(&self, c: &Back<'_>) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let Dims { b, h, kvh, t, s, d } = c.dims;
+        let n_rep = h / kvh;
+        let (q, k, _) = c.qkv;
+        let key_tiles = s.div_ceil(BC);
+        let kv_parts = par::map(b * kvh * key_tiles, |n| {
+            let (group, j0) = (n / key_tiles, (n % key_tiles) * BC);
+            let (bi, kv) = (group / kvh, group % kvh);
+            let bc = BC.min(s - j0);
+            let (mut dk, mut dv) = (vec![0f32; bc * d], vec![0f32; bc * d]);
+            let (mut p, mut ds) = (vec![0f32; BR * bc], vec![0f32; BR * bc]);
+            // The first query that sees key j0 (all of them without a causal mask).
+            let first = self.mask.causal_offset.map_or(0, |o| j0.saturating_sub(o));
+            for r in 0..n_rep {
+                let bh = bi * h + kv * n_rep + r;
+                let head = self.head(c.qkv, c.dims, bh);
+                for r0 in ((first / BR) * BR..t).step_by(BR) {
+                    let br = BR.min(t - r0);
+                    let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
+                    self.tile_grads(c, head, bh, (r0, br), (j0, bc), p, ds);
+                    let dy = MatRef::rows(c.g, (bh * t + r0) * d, d);
+                    let qt = MatRef::rows(q.0, head.qo + r0 * q.2[2], q.2[2]);
+                    let (p_t, ds_t) = (MatRef::rows_t(p, 0, bc), MatRef::rows_t(ds, 0, bc));
+                    gemm((bc, d, br), &mut dv, 0, d, true, p_t, dy, 1.0, false);
+                    gemm((bc, d, br), &mut dk, 0, d, true, ds_t, qt, 1.0, false);
+                }
+            }
+            (dk, dv)
+        });
+        let query_tiles = t.div_ceil(BR);
+        let dq_parts = par::map(b * h * query_tiles, |n| {
+            let (bh, r0) = (n / query_tiles, (n % query_tiles) * BR);
+            let head = self.head(c.qkv, c.dims, bh);
+            let br = BR.min(t - r0);
+            let mut dq = vec![0f32; br * d];
+            let (mut p, mut ds) = (vec![0f32; br * BC], vec![0f32; br * BC]);
+            let end = self.key_end(r0 + br, s);
+            for j0 in (0..end).step_by(BC) {
+                let bc = BC.min(end - j0);
+                let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
+                self.tile_grads(c, head, bh, (r0, br), (j0, bc), p, ds);
+                let kt = MatRef::rows(k.0, head.ko + j0 * k.2[2], k.2[2]);
+                gemm(
+                    (br, d, bc),
+                    &mut dq,
+                    0,
+                    d,
+                    true,
+                    MatRef::rows(ds, 0, bc),
+                    kt,
+                    1.0,
+                    false,
+                );
+            }
+            dq
+        });
+        // Parts are in (group, tile) order: concatenated, they are the layouts.
+        let (mut dk, mut dv) = (
+            Vec::with_capacity(b * kvh * s * d),
+            Vec::with_capacity(b * kvh * s * d),
+        );
+        for (pk, pv) in kv_parts {
+            dk.extend_from_slice(&pk);
+            dv.extend_from_slice(&pv);
+        }
+        (dq_parts.concat(), dk, dv)
     }
 }
 

@@ -22,8 +22,16 @@ fn spec(causal: Option<usize>, bias: Option<&Tensor>, dims: Shape6) -> Result<Ma
     })
 }
 
-/// Values and the gradient of every input equal the reference's.
+/// Values and the gradient of every input equal the reference's, with the
+/// backward in one pass per (batch, kv head) (one thread) and split into a
+/// key-tile and a query-tile pass (more threads than groups).
 fn compare(dims: Shape6, causal: Option<usize>, bias: Option<&Tensor>, seed: u64) -> Result<()> {
+    let groups = dims.0 * dims.2;
+    crate::kernels::raw::par::with_threads(1, || compare_at(dims, causal, bias, seed))?;
+    crate::kernels::raw::par::with_threads(groups + 1, || compare_at(dims, causal, bias, seed))
+}
+
+fn compare_at(dims: Shape6, causal: Option<usize>, bias: Option<&Tensor>, seed: u64) -> Result<()> {
     let (b, h, kvh, t, s, d) = dims;
     let scale = 1.0 / (d as f64).sqrt();
     let xs = [
