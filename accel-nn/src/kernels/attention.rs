@@ -191,6 +191,29 @@ fn apply<K: Kernel + 'static>(
     q.apply_op3(&k, &v, Op(K::new(mask, scale as f32)))
 }
 
+impl MaskSpec {
+    /// `f` with the bias as a strided f32 view (read in place), or `None`.
+    ///
+    /// # Errors
+    /// A bias that is not `[b, h, t, s]`; those of `f`.
+    pub(super) fn with_bias<R>(
+        &self,
+        dims: Dims,
+        f: impl FnOnce(Bias<'_>) -> Result<R>,
+    ) -> Result<R> {
+        let Some(bias) = &self.bias else {
+            return f(None);
+        };
+        if bias.dims() != [dims.b, dims.h, dims.t, dims.s] {
+            bail!("attention: bias {:?} is not [b, h, t, s]", bias.dims())
+        }
+        with_strided_f32(bias, |data, off, st| f(Some((data, off, st))))
+    }
+}
+
+/// The additive bias as a strided f32 view `[b, h, t, s]`, if any.
+pub(super) type Bias<'a> = Option<(&'a [f32], usize, &'a [usize])>;
+
 /// A strided f32 view: (data, start offset, strides).
 pub(super) type View<'a> = (&'a [f32], usize, &'a [usize]);
 
@@ -257,14 +280,7 @@ multiversion! {
 impl Attention {
     /// Adds the bias and applies the masked softmax to the scores `p [t, s]`
     /// of batch `bi`, head `hi`.
-    fn probabilities(
-        &self,
-        p: &mut [f32],
-        bi: usize,
-        hi: usize,
-        dims: Dims,
-        bias: Option<(&[f32], usize, &[usize])>,
-    ) {
+    fn probabilities(&self, p: &mut [f32], bi: usize, hi: usize, dims: Dims, bias: Bias<'_>) {
         let (t, s) = (dims.t, dims.s);
         for (i, row) in p.chunks_exact_mut(s.max(1)).take(t).enumerate() {
             if let Some((data, off, st)) = bias {
@@ -287,7 +303,7 @@ impl Attention {
         k: (&[f32], usize, &[usize]),
         v: (&[f32], usize, &[usize]),
         dims: Dims,
-        bias: Option<(&[f32], usize, &[usize])>,
+        bias: Bias<'_>,
     ) -> (Vec<f32>, Vec<f32>) {
         let Dims { b, h, kvh, t, s, d } = dims;
         let n_rep = h / kvh;
@@ -343,17 +359,9 @@ impl Kernel for Attention {
     /// The forward pass with the mask's bias read in place: returns the
     /// output `[b, h, t, d]` and keeps the probabilities for backward.
     fn run(&self, q: View<'_>, k: View<'_>, v: View<'_>, dims: Dims) -> Result<Vec<f32>> {
-        let (y, probs) = match &self.mask.bias {
-            Some(bias) => {
-                if bias.dims() != [dims.b, dims.h, dims.t, dims.s] {
-                    bail!("attention: bias {:?} is not [b, h, t, s]", bias.dims())
-                }
-                with_strided_f32(bias, |data, off, st| {
-                    Ok(self.forward(q, k, v, dims, Some((data, off, st))))
-                })?
-            }
-            None => self.forward(q, k, v, dims, None),
-        };
+        let (y, probs) = self
+            .mask
+            .with_bias(dims, |bias| Ok(self.forward(q, k, v, dims, bias)))?;
         *self.probs.lock().unwrap() = Some(probs);
         Ok(y)
     }

@@ -19,10 +19,9 @@ use std::sync::Mutex;
 
 use candle_core::Result;
 
-use super::attention::{Dims, Kernel, MaskSpec, View};
+use super::attention::{Bias, Dims, Kernel, MaskSpec, View};
 use super::math;
 use super::raw::{gemm, par, MatRef};
-use super::with_strided_f32;
 
 /// Queries per tile (64, 128 and 256 measured with keys of 64 to 256 at
 /// t = 1024-4096: 128 x 128 was never more than noise from the best).
@@ -37,9 +36,6 @@ pub(crate) struct Flash {
     /// The f32 output `[b, h, t, d]` and log-sum-exp `[b, h, t]` of the forward.
     saved: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
 }
-
-/// The additive bias as a strided f32 view `[b, h, t, s]`.
-type Bias<'a> = Option<(&'a [f32], usize, &'a [usize])>;
 
 /// Where one (batch, head) reads its operands.
 #[derive(Clone, Copy)]
@@ -207,17 +203,9 @@ impl Kernel for Flash {
     /// The forward pass with the mask's bias read in place: the output
     /// `[b, h, t, d]`; the output and log-sum-exps are kept for backward.
     fn run(&self, q: View<'_>, k: View<'_>, v: View<'_>, dims: Dims) -> Result<Vec<f32>> {
-        let (y, lse) = match &self.mask.bias {
-            Some(bias) => {
-                if bias.dims() != [dims.b, dims.h, dims.t, dims.s] {
-                    candle_core::bail!("attention: bias {:?} is not [b, h, t, s]", bias.dims())
-                }
-                with_strided_f32(bias, |data, off, st| {
-                    Ok(self.forward((q, k, v), dims, Some((data, off, st))))
-                })?
-            }
-            None => self.forward((q, k, v), dims, None),
-        };
+        let (y, lse) = self
+            .mask
+            .with_bias(dims, |bias| Ok(self.forward((q, k, v), dims, bias)))?;
         *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some((y.clone(), lse));
         Ok(y)
     }
@@ -232,12 +220,8 @@ impl Kernel for Flash {
         g: &[f32],
         dims: Dims,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        match &self.mask.bias {
-            Some(bias) => with_strided_f32(bias, |data, off, st| {
-                self.backward_with((q, k, v), g, dims, Some((data, off, st)))
-            }),
-            None => self.backward_with((q, k, v), g, dims, None),
-        }
+        self.mask
+            .with_bias(dims, |bias| self.backward_with((q, k, v), g, dims, bias))
     }
 }
 
