@@ -43,7 +43,7 @@ impl Accelerator {
         let from = Arc::new(Pretrained::open(checkpoint.as_ref())?);
         let frozen: FrozenFn = Arc::new(|name: &str| !is_adapter_weight(name));
         let (model, params) = self.prepare_from(Some(from.clone()), Some(frozen), build)?;
-        if !crate::model::has_adapters(params.names().iter()) {
+        if !params.names().iter().any(|n| is_adapter_weight(n)) {
             let targets = match &config.targets {
                 LoraTargets::AllLinear => "all-linear".to_string(),
                 LoraTargets::Modules(m) => m.join(","),

@@ -5,9 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use accel_bigmodel::lora::{
-    adapter_module, is_adapter_weight, LoraConfig, ADAPTER_CONFIG_NAME, PEFT_PREFIX,
-};
+use accel_bigmodel::lora::{adapter_module, LoraConfig, ADAPTER_CONFIG_NAME, PEFT_PREFIX};
 use candle_core::{DType, Tensor};
 
 use super::PreparedModel;
@@ -119,9 +117,4 @@ pub fn merge_lora(
         &super::CARRIED_FILES,
     )?);
     Ok(written)
-}
-
-/// Whether any of `names` is a LoRA adapter weight.
-pub(crate) fn has_adapters<'a>(mut names: impl Iterator<Item = &'a String>) -> bool {
-    names.any(|n| is_adapter_weight(n))
 }

@@ -27,7 +27,6 @@ mod pretrained;
 mod reach;
 mod single;
 
-pub(crate) use adapter::has_adapters;
 pub use adapter::merge_lora;
 pub(crate) use ddp::Replicated;
 pub(crate) use pretrained::PretrainedSource;

@@ -115,14 +115,8 @@ pub(super) fn adapter_for(
         lo: -bound,
         up: bound,
     };
-    let a = vb
-        .pp(LORA_A.trim_end_matches(".weight"))
-        .get_with_hints((r, inp), "weight", a_init)?;
-    let b = vb.pp(LORA_B.trim_end_matches(".weight")).get_with_hints(
-        (out, r),
-        "weight",
-        Init::Const(0.0),
-    )?;
+    let a = vb.get_with_hints((r, inp), LORA_A, a_init)?;
+    let b = vb.get_with_hints((out, r), LORA_B, Init::Const(0.0))?;
     Ok(Some(LoraLayer {
         a,
         b,
