@@ -88,13 +88,12 @@ pub fn run(
     let main = acc.is_main_process();
     let world = acc.num_processes();
     let extra = format!(
-        r#", "gradient_checkpointing": {}, "train_windows": {windows}, "eval_windows": {}, "seq_len": {}"#,
-        args.gradient_checkpointing,
+        r#", "train_windows": {windows}, "eval_windows": {}, "seq_len": {}"#,
         eval.len(),
         args.seq_len
     );
     let tokens = args.batch_size * args.seq_len * world;
-    let setup = setup_line(&acc, &params, &args.model, &sharding, tokens, &extra)?;
+    let setup = setup_line(&acc, &params, args, &sharding, tokens, &extra)?;
     if main {
         if args.json {
             writeln!(out, "{setup}")?;

@@ -192,7 +192,8 @@ pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(u
 }
 
 /// The `--json` setup line: the run's kind, parameter counts, the attention
-/// kernel choice (`auto`, `tiled`, `reference`; `composed` off the CPU), then `extra` (`, "key": value`
+/// kernel choice (`auto`, `tiled`, `reference`; `composed` off the CPU),
+/// whether layers are recomputed in backward, then `extra` (`, "key": value`
 /// pairs) before the closing braces. Written by hand to keep the keys in
 /// this order (serde_json sorts them).
 ///
@@ -201,12 +202,12 @@ pub fn rank_share(n: usize, world: usize, rank: usize, data: &Path) -> Result<(u
 pub(crate) fn setup_line(
     acc: &Accelerator,
     params: &PreparedModel,
-    dir: &Path,
+    args: &Args,
     sharding: &Value,
     tokens_per_step: usize,
     extra: &str,
 ) -> Result<String> {
-    let (trainable, all) = parameter_counts(params, dir)?;
+    let (trainable, all) = parameter_counts(params, &args.model)?;
     // The fused CPU attention's kernel; on other devices the composed ops run.
     let attention = if acc.device().is_cpu() {
         accel_core::nn::ops::attention_kernel()?.name()
@@ -214,11 +215,12 @@ pub(crate) fn setup_line(
         "composed"
     };
     Ok(format!(
-        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {tokens_per_step}, "attention": {}{extra}}}}}"#,
+        r#"{{"setup": {{"distributed": {}, "mixed_precision": {}, "world_size": {}, "sharding": {sharding}, "trainable_parameters": {trainable}, "all_parameters": {all}, "tokens_per_step": {tokens_per_step}, "attention": {}, "gradient_checkpointing": {}{extra}}}}}"#,
         json!(acc.distributed_type().to_string()),
         json!(acc.mixed_precision().to_string()),
         acc.num_processes(),
         json!(attention),
+        args.gradient_checkpointing,
     ))
 }
 
@@ -384,18 +386,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     let tokens = ((end - start) * (len - 1)) as f64;
 
     let main = acc.is_main_process();
-    let extra = format!(
-        r#", "gradient_checkpointing": {}"#,
-        args.gradient_checkpointing
-    );
-    let setup = setup_line(
-        &acc,
-        &params,
-        &args.model,
-        &sharding,
-        batch.len() * len,
-        &extra,
-    )?;
+    let setup = setup_line(&acc, &params, args, &sharding, batch.len() * len, "")?;
     if main {
         if args.json {
             writeln!(out, "{setup}")?;
