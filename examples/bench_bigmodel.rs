@@ -26,8 +26,8 @@ use std::time::Instant;
 use accel_core::bigmodel::{mapped, DeviceMap, MappedAlloc, Placement};
 use accel_core::models::AutoModel;
 use accel_core::nn::{DeviceMapChoice, LoadDispatchOptions, Model};
-use accel_examples::bench_proc::{run_side, status_kib};
-use anyhow::{bail, Result};
+use accel_examples::bench_proc::{run_side, script_checkpoint, status_kib};
+use anyhow::Result;
 use candle_core::{DType, Tensor};
 use clap::Parser;
 use serde_json::{json, Value};
@@ -159,24 +159,15 @@ fn medians(runs: &[Value]) -> Value {
 }
 
 fn ensure_checkpoint(model: Option<PathBuf>) -> Result<PathBuf> {
-    if let Some(d) = model {
-        return Ok(d);
+    match model {
+        Some(d) => Ok(d),
+        None => script_checkpoint(
+            "bench_llama_2gb",
+            "model.safetensors.index.json",
+            SCRIPT,
+            "torch transformers accelerate",
+        ),
     }
-    let d = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../target/bench_llama_2gb"
-    ));
-    if !d.join("model.safetensors.index.json").is_file() {
-        eprintln!("writing the checkpoint to {} ...", d.display());
-        let ok = Command::new("python3")
-            .args([SCRIPT, "write"])
-            .arg(&d)
-            .status()?;
-        if !ok.success() {
-            bail!("could not write the checkpoint (pip install torch transformers accelerate)");
-        }
-    }
-    Ok(d)
 }
 
 fn main() -> Result<()> {

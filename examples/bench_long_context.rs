@@ -21,8 +21,8 @@ use accel_core::models::{AutoModel, ModelConfig};
 use accel_core::nn::block::apply_activation_checkpointing;
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig};
-use accel_examples::bench_proc::{run_side, status_kib};
-use anyhow::{bail, Context, Result};
+use accel_examples::bench_proc::{run_side, script_checkpoint, status_kib};
+use anyhow::Result;
 use candle_core::{DType, Tensor};
 use clap::Parser;
 use serde_json::{json, Value};
@@ -105,24 +105,15 @@ fn child(dir: &Path, t: usize, checkpointing: bool, steps: usize) -> Result<Valu
 }
 
 fn ensure_checkpoint(model: Option<PathBuf>) -> Result<PathBuf> {
-    if let Some(dir) = model {
-        return Ok(dir);
+    match model {
+        Some(d) => Ok(d),
+        None => script_checkpoint(
+            "bench_llama_4l_32k",
+            "config.json",
+            SCRIPT,
+            "torch transformers",
+        ),
     }
-    let dir = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../target/bench_llama_4l_32k"
-    ));
-    if !dir.join("config.json").is_file() {
-        let status = Command::new("python3")
-            .args([SCRIPT, "write"])
-            .arg(&dir)
-            .status()
-            .with_context(|| format!("running {SCRIPT} write (needs torch, transformers)"))?;
-        if !status.success() {
-            bail!("{SCRIPT} write {} failed", dir.display());
-        }
-    }
-    Ok(dir)
 }
 
 fn main() -> Result<()> {

@@ -38,7 +38,7 @@ use accel_core::bigmodel::lora::{LoraConfig, LoraTargets};
 use accel_core::models::{AutoModel, ModelConfig};
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
-use accel_examples::bench_proc::{run_side, status_kib};
+use accel_examples::bench_proc::{run_side, script_checkpoint, status_kib};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Tensor};
 use clap::{Parser, ValueEnum};
@@ -317,27 +317,12 @@ fn ensure_checkpoint(model: Option<&Path>) -> Result<PathBuf> {
         }
         return Ok(d.to_path_buf());
     }
-    let d = PathBuf::from(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../target/bench_llama_2gb"
-    ));
-    if !d.join("model.safetensors.index.json").is_file() {
-        eprintln!("writing the checkpoint to {} ...", d.display());
-        let ok = Command::new("python3")
-            .args([WRITE_SCRIPT, "write"])
-            .arg(&d)
-            .status()
-            .with_context(|| format!("starting python3 {WRITE_SCRIPT} write"))?;
-        if !ok.success() {
-            bail!(
-                "no checkpoint at {} and `python3 {WRITE_SCRIPT} write` could not write it \
-                 (pip install torch transformers), or pass --model DIR",
-                d.display()
-            );
-        }
-    }
-    // Canonical, so the JSON names the folder without `examples/..`.
-    Ok(d.canonicalize().unwrap_or(d))
+    script_checkpoint(
+        "bench_llama_2gb",
+        "model.safetensors.index.json",
+        WRITE_SCRIPT,
+        "torch transformers",
+    )
 }
 
 /// `a / b` of one numeric field, rounded; null when either is missing.

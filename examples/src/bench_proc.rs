@@ -42,3 +42,38 @@ pub fn run_side(cmd: &mut Command, what: &str) -> Result<Value> {
     let last = stdout.lines().last().unwrap_or("");
     serde_json::from_str(last).with_context(|| format!("the {what} side printed {last:?}"))
 }
+
+/// The benchmark checkpoint `target/{name}`, written by `python3 {script}
+/// write DIR` when it lacks `marker` (a file the finished write leaves), as
+/// a canonical path.
+///
+/// # Errors
+/// The script cannot start or fails; the message names it and `needs`
+/// (the pip packages it imports).
+pub fn script_checkpoint(
+    name: &str,
+    marker: &str,
+    script: &str,
+    needs: &str,
+) -> Result<std::path::PathBuf> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../target")
+        .join(name);
+    if !dir.join(marker).is_file() {
+        eprintln!("writing the checkpoint to {} ...", dir.display());
+        let ok = Command::new("python3")
+            .args([script, "write"])
+            .arg(&dir)
+            .status()
+            .with_context(|| format!("starting python3 {script} write"))?;
+        if !ok.success() {
+            bail!(
+                "no checkpoint at {} and `python3 {script} write` could not write it \
+                 (pip install {needs}), or pass --model DIR",
+                dir.display()
+            );
+        }
+    }
+    // Canonical, so the JSON names the folder without `examples/..`.
+    Ok(dir.canonicalize().unwrap_or(dir))
+}
