@@ -1,5 +1,6 @@
-//! Matrix products of bf16 operands with f32 sums, on CPUs with AVX-512 BF16:
-//! the linear layers' products under bf16 mixed precision.
+//! Matrix products of bf16 operands with f32 sums, on CPUs with AMX
+//! (`raw/amx.rs`) or AVX-512 BF16 (here): the linear layers' products under
+//! bf16 mixed precision. AMX, where present, takes every product.
 //!
 //! Why: a bf16 tensor was converted to f32 and multiplied by the f32 gemm,
 //! so bf16 training ran at f32 speed plus the conversions, slower than fp32
@@ -19,6 +20,7 @@
 
 use candle_core::DType;
 
+use super::raw::amx::{self, bf16_bits, HalfRef, OutLayout};
 use super::raw::{
     bf16_tile, bf16_tile_available, gemm_new, par, MatRef, BF16_MR as MR, BF16_NR as NR,
 };
@@ -32,7 +34,41 @@ const MC: usize = 4 * MR;
 
 /// Whether [`gemm_new_bf16`] can run on this CPU.
 pub(crate) fn available() -> bool {
-    bf16_tile_available()
+    amx::available() || bf16_tile_available()
+}
+
+/// Whether bf16 products run on AMX tiles here: then the linear layers hand
+/// their bf16 tensors to [`amx_new`] as they lie, with no f32 copy.
+pub(crate) fn amx() -> bool {
+    amx::available()
+}
+
+/// `a [m, k] @ b [k, n]` on AMX tiles as a new row-major buffer.
+///
+/// When `b`'s columns are bf16 rows in memory (a weight `[n, k]` read as
+/// its transpose) and `a` has fewer rows, this computes `c^T = b^T a^T`:
+/// the weight is then read in place and only `a` is packed.
+///
+/// # Panics
+/// When [`amx`] is false, or an operand overruns its slice.
+pub(crate) fn amx_new((m, n, k): (usize, usize, usize), a: HalfRef, b: HalfRef) -> Vec<f32> {
+    let mut c = vec![0f32; m * n];
+    if m < n && b.t().in_place_as_lhs(k) {
+        let out = OutLayout {
+            off: 0,
+            rs: 1,
+            cs: n,
+        };
+        amx::gemm((n, m, k), b.t(), a.t(), &mut c, out, false);
+    } else {
+        let out = OutLayout {
+            off: 0,
+            rs: n,
+            cs: 1,
+        };
+        amx::gemm((m, n, k), a, b, &mut c, out, false);
+    }
+    c
 }
 
 /// Whether the products of an op on tensors of these dtypes take bf16
@@ -53,24 +89,31 @@ pub(crate) fn product(bf16: bool, dims: (usize, usize, usize), a: MatRef, b: Mat
     }
 }
 
-/// `x` as bf16 bits, rounded to nearest even (a NaN stays a NaN).
-#[inline(always)]
-fn bf16_bits(x: f32) -> u32 {
-    // Branch-free (a select), so that packing loops vectorise.
-    let b = x.to_bits();
-    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1))) >> 16;
-    let quiet_nan = (b >> 16) | 0x40;
-    if x.is_nan() {
-        quiet_nan
-    } else {
-        rounded
+/// `a @ b` as a new buffer, with bf16 products when `bf16`; bf16 operands
+/// (which [`crate::kernels::values_of`] hands out only where AMX takes the
+/// products) are read as they lie.
+///
+/// # Panics
+/// When an operand holds bf16 values and the products do not run on AMX.
+pub(crate) fn product_of(
+    bf16: bool,
+    dims: (usize, usize, usize),
+    a: HalfRef,
+    b: HalfRef,
+) -> Vec<f32> {
+    if bf16 && amx() {
+        return amx_new(dims, a, b);
     }
+    let (Some(a), Some(b)) = (a.as_f32(), b.as_f32()) else {
+        panic!("bf16 operands are read on AMX only")
+    };
+    product(bf16, dims, a, b)
 }
 
 /// Two values as the instruction's pair: `lo` in the low half.
 #[inline(always)]
 fn pair(lo: f32, hi: f32) -> u32 {
-    bf16_bits(lo) | (bf16_bits(hi) << 16)
+    u32::from(bf16_bits(lo)) | (u32::from(bf16_bits(hi)) << 16)
 }
 
 /// `c [m, n] = a [m, k] @ b [k, n]` with both operands rounded to bf16 and
@@ -79,6 +122,14 @@ fn pair(lo: f32, hi: f32) -> u32 {
 /// # Panics
 /// When [`available`] is false, or an operand is out of its slice.
 pub(crate) fn gemm_new_bf16((m, n, k): (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32> {
+    if amx() {
+        return amx_new((m, n, k), a.half(), b.half());
+    }
+    avx512_new((m, n, k), a, b)
+}
+
+/// [`gemm_new_bf16`] on AVX-512 BF16.
+fn avx512_new((m, n, k): (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32> {
     a.check(m, k, "lhs");
     b.check(k, n, "rhs");
     if m == 0 || n == 0 {
@@ -231,7 +282,7 @@ mod tests {
             f32::INFINITY,
             -0.0,
         ] {
-            let want = u32::from(half::bf16::from_f32(x).to_bits());
+            let want = half::bf16::from_f32(x).to_bits();
             assert_eq!(bf16_bits(x), want, "{x}");
         }
         assert!(half::bf16::from_bits(bf16_bits(f32::NAN) as u16).is_nan());
@@ -268,8 +319,12 @@ mod tests {
                 (MatRef::rows(&x, 0, k), MatRef::rows(&y, 0, n)),
                 (MatRef::rows_t(&xt, 0, m), MatRef::rows_t(&yt, 0, k)),
             ] {
-                let got = gemm_new_bf16((m, n, k), a, b);
-                for (g, w) in got.iter().zip(&want) {
+                let mut outs = vec![gemm_new_bf16((m, n, k), a, b)];
+                if bf16_tile_available() {
+                    // The AVX-512 kernel also where AMX takes the products.
+                    outs.push(avx512_new((m, n, k), a, b));
+                }
+                for (g, w) in outs.iter().flatten().zip(want.iter().cycle()) {
                     // Exact products, f32 sums in another order.
                     assert!(
                         (g - w).abs() <= 1e-5 * (k as f32).sqrt() * w.abs().max(1.0),

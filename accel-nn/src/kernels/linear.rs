@@ -14,9 +14,13 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape,
 pub(crate) use super::act::Act;
 use super::act::{copy_backward, forward_new};
 use super::gemm_bf16::{self, bf16_products, product};
+use super::raw::amx::{HalfRef, Values};
 use super::raw::{gemm, gemm_new, par, MatRef};
 use super::skinny;
-use super::{as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32, CHUNK};
+use super::{
+    as_bf16, as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32,
+    with_values, CHUNK,
+};
 
 /// `y [n, out]` with the bias, when given, added to every row.
 fn plus_bias(mut y: Vec<f32>, b: Option<(&CpuStorage, &Layout)>, out: usize) -> Result<Vec<f32>> {
@@ -71,6 +75,53 @@ impl LinearOp {
             bail!("linear: x is [{n}, {inp}] but w is [{out}, {w_in}]")
         }
         let bf16 = bf16_products(x.0.dtype(), w.0.dtype());
+        let amx = match (as_bf16(x.0, x.1), as_bf16(w.0, w.1)) {
+            (Some(xs), Some(ws)) if gemm_bf16::amx() => Some((xs, ws)),
+            _ => None,
+        };
+        let y = match amx {
+            // bf16 tensors as they lie, on AMX tiles, at any row count (a
+            // single row wastes most of a tile but still beats converting
+            // the weight for the skinny kernel).
+            Some((xs, ws)) => gemm_bf16::amx_new(
+                (n, out, inp),
+                HalfRef::new(Values::Bf16(xs), 0, (inp, 1)),
+                HalfRef::new(Values::Bf16(ws), 0, (1, inp)),
+            ),
+            None => Self::product_f32((x, w, b), (n, inp, out), bf16)?,
+        };
+        let mut y = match (amx, b) {
+            (Some(_), Some(b)) => plus_bias(y, Some(b), out)?,
+            _ => y,
+        };
+        let y = match self.act {
+            Act::None => y,
+            Act::Relu => {
+                par::chunks_mut(&mut y, CHUNK, |_, y| {
+                    y.iter_mut().for_each(|v| *v = v.max(0.0))
+                });
+                y
+            }
+            act => {
+                let a = forward_new(act, &y);
+                *self.pre_activation.lock().unwrap() = Some(y);
+                a
+            }
+        };
+        Ok((from_f32(y, x.0.dtype())?, Shape::from((n, out))))
+    }
+
+    /// `x w^T (+ b)` through f32 values: the f32 kernels, or the AVX-512
+    /// BF16 one for bf16 operands (converted to f32 first).
+    fn product_f32(
+        (x, w, b): (
+            (&CpuStorage, &Layout),
+            (&CpuStorage, &Layout),
+            Option<(&CpuStorage, &Layout)>,
+        ),
+        (n, inp, out): (usize, usize, usize),
+        bf16: bool,
+    ) -> Result<Vec<f32>> {
         let xs = as_f32(x.0, x.1)?;
         let ws = as_f32(w.0, w.1)?;
         let (x_rows, w_t) = (MatRef::rows(&xs, 0, inp), MatRef::rows_t(&ws, 0, inp));
@@ -79,7 +130,7 @@ impl LinearOp {
         } else {
             skinny::MAX_ROWS
         };
-        let mut y = match b {
+        Ok(match b {
             // Few rows (inference): dot products on `w` as it lies, see
             // `skinny`. bf16 products pack `w` on each call, which pays for
             // itself from about 128 rows (256 rows: 213-263 GFLOP/s against
@@ -101,22 +152,7 @@ impl LinearOp {
                 y
             }
             None => gemm_new((n, out, inp), x_rows, w_t, true),
-        };
-        let y = match self.act {
-            Act::None => y,
-            Act::Relu => {
-                par::chunks_mut(&mut y, CHUNK, |_, y| {
-                    y.iter_mut().for_each(|v| *v = v.max(0.0))
-                });
-                y
-            }
-            act => {
-                let a = forward_new(act, &y);
-                *self.pre_activation.lock().unwrap() = Some(y);
-                a
-            }
-        };
-        Ok((from_f32(y, x.0.dtype())?, Shape::from((n, out))))
+        })
     }
 
     /// Gradients of `x`, `w` and (when `with_bias`) `b`, each only when that
@@ -159,8 +195,22 @@ impl LinearOp {
             };
             let dh_rows = MatRef::rows(dh, 0, out);
             let bf16 = bf16_products(x.dtype(), w.dtype());
-            let dx = if x.track_op() {
+            // AMX reads bf16 `w` and `x` as they lie (no f32 copy of the
+            // weight), and `dh` rounded to bf16 as it packs it.
+            let amx = bf16 && gemm_bf16::amx();
+            let dx = if !x.track_op() {
+                None
+            } else if amx {
                 // dx [n, in] = dh [n, out] @ w [out, in]
+                let dx = with_values(w, true, |ws| {
+                    Ok(gemm_bf16::amx_new(
+                        (n, inp, out),
+                        HalfRef::new(Values::F32(dh), 0, (out, 1)),
+                        HalfRef::new(ws, 0, (inp, 1)),
+                    ))
+                })?;
+                Some(tensor_from_f32(dx, (n, inp), x.dtype())?)
+            } else {
                 let dx = with_f32(w, |ws| {
                     Ok(product(
                         bf16,
@@ -170,18 +220,25 @@ impl LinearOp {
                     ))
                 })?;
                 Some(tensor_from_f32(dx, (n, inp), x.dtype())?)
-            } else {
-                None
             };
-            let dw = if w.track_op() {
+            let dw = if !w.track_op() {
+                None
+            } else if amx {
                 // dw [out, in] = dh^T [out, n] @ x [n, in]
+                let dw = with_values(x, true, |xs| {
+                    Ok(gemm_bf16::amx_new(
+                        (out, inp, n),
+                        HalfRef::new(Values::F32(dh), 0, (1, out)),
+                        HalfRef::new(xs, 0, (inp, 1)),
+                    ))
+                })?;
+                Some(tensor_from_f32(dw, (out, inp), w.dtype())?)
+            } else {
                 let dh_t = MatRef::rows_t(dh, 0, out);
                 let dw = with_f32(x, |xs| {
                     Ok(product(bf16, (out, inp, n), dh_t, MatRef::rows(xs, 0, inp)))
                 })?;
                 Some(tensor_from_f32(dw, (out, inp), w.dtype())?)
-            } else {
-                None
             };
             let db = if with_bias {
                 Some(tensor_from_f32(column_sums(dh, out), out, w.dtype())?)

@@ -17,9 +17,13 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::gemm_bf16::{bf16_products, product};
-use super::raw::{par, MatRef};
-use super::{as_f32, math, rows_per_reduction, rows_per_task, tensor_from_f32, with_f32};
+use super::gemm_bf16::{self, bf16_products, product_of};
+use super::raw::amx::{HalfRef, Values};
+use super::raw::par;
+use super::{
+    as_f32, math, rows_per_reduction, rows_per_task, tensor_from_f32, values_of, with_f32,
+    with_values,
+};
 
 /// Marks a row whose target is ignored.
 pub(crate) const IGNORED: u32 = u32::MAX;
@@ -206,19 +210,26 @@ fn chunk_rows(n: usize, c: usize, budget: usize) -> usize {
 }
 
 /// `x [n, d] @ w [c, d]^T` in f32, with bf16 products when `bf16`.
-fn logits(bf16: bool, x: &[f32], w: &[f32], n: usize, d: usize, c: usize) -> Vec<f32> {
-    product(
+fn logits(bf16: bool, x: &[f32], w: Values, n: usize, d: usize, c: usize) -> Vec<f32> {
+    product_of(
         bf16,
         (n, c, d),
-        MatRef::rows(x, 0, d),
-        MatRef::rows_t(w, 0, d),
+        HalfRef::new(Values::F32(x), 0, (d, 1)),
+        HalfRef::new(w, 0, (1, d)),
     )
+}
+
+/// Whether the weight is read as bf16 values as they lie (AMX takes the
+/// products), not converted to f32: at a 32 K vocabulary that conversion
+/// is a 200 MB buffer per pass.
+fn keep_bf16(bf16: bool) -> bool {
+    bf16 && gemm_bf16::amx()
 }
 
 /// The forward over chunks of `per` rows: row log-sum-exps and the loss.
 fn chunked_forward(
     bf16: bool,
-    (x, w): (&[f32], &[f32]),
+    (x, w): (&[f32], Values),
     targets: &[u32],
     (d, c): (usize, usize),
     per: usize,
@@ -257,15 +268,17 @@ impl CustomOp3 for LinearCrossEntropy {
         }
         let targets = targets_of(s3, l3, n, c)?;
         let bf16 = bf16_products(s1.dtype(), s2.dtype());
-        let (xs, ws) = (as_f32(s1, l1)?, as_f32(s2, l2)?);
+        let xs = as_f32(s1, l1)?;
+        let ws = values_of(s2, l2, keep_bf16(bf16))?;
+        let ws = ws.values();
         let per = chunk_rows(n, c, self.budget);
         let loss = if per >= n {
-            let logits = logits(bf16, &xs, &ws, n, d, c);
+            let logits = logits(bf16, &xs, ws, n, d, c);
             let (lse, loss) = lse_and_loss(&logits, targets, c);
             *self.state.lock().unwrap() = Some((Some(logits), lse));
             loss
         } else {
-            let (lse, loss) = chunked_forward(bf16, (&xs, &ws), targets, (d, c), per);
+            let (lse, loss) = chunked_forward(bf16, (&xs, ws), targets, (d, c), per);
             *self.state.lock().unwrap() = Some((None, lse));
             loss
         };
@@ -291,7 +304,7 @@ impl CustomOp3 for LinearCrossEntropy {
             Some(s) => s,
             None => {
                 let (lse, _) = with_f32(x, |xs| {
-                    with_f32(w, |ws| {
+                    with_values(w, keep_bf16(bf16), |ws| {
                         Ok(chunked_forward(bf16, (xs, ws), &targets, (d, c), per))
                     })
                 })?;
@@ -300,7 +313,7 @@ impl CustomOp3 for LinearCrossEntropy {
         };
         let (want_dx, want_dw) = (x.track_op(), w.track_op());
         let (dx, dw) = with_f32(x, |xs| {
-            with_f32(w, |ws| {
+            with_values(w, keep_bf16(bf16), |ws| {
                 let mut dx = want_dx.then(|| Vec::with_capacity(n * d));
                 let mut dw: Option<Vec<f32>> = None;
                 let mut kept = kept;
@@ -315,12 +328,14 @@ impl CustomOp3 for LinearCrossEntropy {
                     let t = &targets[r0..r0 + m];
                     softmax_minus_onehot(&mut dl, &lse[r0..r0 + m], t, c, scale);
                     if let Some(dx) = dx.as_mut() {
-                        let dl_rows = MatRef::rows(&dl, 0, c);
-                        dx.extend(product(bf16, (m, d, c), dl_rows, MatRef::rows(ws, 0, d)));
+                        let dl_rows = HalfRef::new(Values::F32(&dl), 0, (c, 1));
+                        let w_rows = HalfRef::new(ws, 0, (d, 1));
+                        dx.extend(product_of(bf16, (m, d, c), dl_rows, w_rows));
                     }
                     if want_dw {
-                        let dl_t = MatRef::rows_t(&dl, 0, c);
-                        let part = product(bf16, (c, d, m), dl_t, MatRef::rows(xc, 0, d));
+                        let dl_t = HalfRef::new(Values::F32(&dl), 0, (1, c));
+                        let x_rows = HalfRef::new(Values::F32(xc), 0, (d, 1));
+                        let part = product_of(bf16, (c, d, m), dl_t, x_rows);
                         match dw.as_mut() {
                             None => dw = Some(part),
                             Some(acc) => acc.iter_mut().zip(&part).for_each(|(a, b)| *a += b),

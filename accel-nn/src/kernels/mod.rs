@@ -58,13 +58,83 @@ fn as_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>> {
     };
     Ok(match s {
         CpuStorage::F32(v) => Cow::Borrowed(&v[start..end]),
-        CpuStorage::F16(v) => Cow::Owned(v[start..end].iter().map(|x| x.to_f32()).collect()),
-        CpuStorage::BF16(v) => Cow::Owned(v[start..end].iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::F16(v) => Cow::Owned(widen(&v[start..end], f16::to_f32)),
+        CpuStorage::BF16(v) => Cow::Owned(widen(&v[start..end], bf16::to_f32)),
         other => bail!(
             "fused kernels support f32, f16 and bf16, got {:?}",
             other.dtype()
         ),
     })
+}
+
+/// Half values as f32, converted in parallel chunks (a 1 GB bf16 weight
+/// took a serial second here).
+fn widen<T: Copy + Sync>(v: &[T], f: impl Fn(T) -> f32 + Sync) -> Vec<f32> {
+    raw::par::new_vec(v.len(), CHUNK, |i, out| {
+        for (o, &x) in out.iter_mut().zip(&v[i * CHUNK..]) {
+            *o = f(x)
+        }
+    })
+}
+
+/// f32 values as halves, converted in parallel chunks.
+fn narrow<T: Copy + Send>(v: &[f32], zero: T, f: impl Fn(f32) -> T + Sync) -> Vec<T> {
+    let mut out = vec![zero; v.len()];
+    raw::par::chunks_mut(&mut out, CHUNK, |i, out| {
+        for (o, &x) in out.iter_mut().zip(&v[i * CHUNK..]) {
+            *o = f(x)
+        }
+    });
+    out
+}
+
+/// The contiguous contents of a bf16 CPU storage, borrowed (`None` for
+/// other dtypes or a strided layout).
+fn as_bf16<'a>(s: &'a CpuStorage, l: &Layout) -> Option<&'a [bf16]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::BF16(v), Some((start, end))) => Some(&v[start..end]),
+        _ => None,
+    }
+}
+
+/// A storage's values for the products: bf16 as they lie (read by the AMX
+/// kernel), or f32, borrowed or converted.
+enum ValuesOf<'a> {
+    Bf16(&'a [bf16]),
+    F32(Cow<'a, [f32]>),
+}
+
+impl ValuesOf<'_> {
+    fn values(&self) -> raw::amx::Values<'_> {
+        match self {
+            Self::Bf16(v) => raw::amx::Values::Bf16(v),
+            Self::F32(v) => raw::amx::Values::F32(v),
+        }
+    }
+}
+
+/// The contiguous contents of a CPU storage for the products: bf16 as they
+/// lie when `keep_bf16` (callers pass it where AMX takes the products),
+/// else as f32 ([`as_f32`]).
+fn values_of<'a>(s: &'a CpuStorage, l: &Layout, keep_bf16: bool) -> Result<ValuesOf<'a>> {
+    match as_bf16(s, l) {
+        Some(v) if keep_bf16 => Ok(ValuesOf::Bf16(v)),
+        _ => Ok(ValuesOf::F32(as_f32(s, l)?)),
+    }
+}
+
+/// Runs `f` on a CPU tensor's values as [`values_of`] gives them.
+fn with_values<R>(
+    t: &Tensor,
+    keep_bf16: bool,
+    f: impl FnOnce(raw::amx::Values) -> Result<R>,
+) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(s) => f(values_of(s, layout, keep_bf16)?.values()),
+        _ => bail!("fused kernels run on CPU only"),
+    }
 }
 
 /// A possibly strided f32 view of a CPU storage: (data, start offset,
@@ -86,8 +156,8 @@ fn strided_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<(Cow<'a, [f32]>, usi
 fn from_f32(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(v),
-        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
-        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(narrow(&v, f16::ZERO, f16::from_f32)),
+        DType::BF16 => CpuStorage::BF16(narrow(&v, bf16::ZERO, bf16::from_f32)),
         other => bail!("fused kernels support f32, f16 and bf16, got {other:?}"),
     })
 }
@@ -120,7 +190,13 @@ fn with_strided_f32<R>(
 
 /// f32 results as a CPU tensor of `dtype`.
 fn tensor_from_f32(v: Vec<f32>, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
-    Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype)
+    match dtype {
+        DType::BF16 => {
+            Tensor::from_vec(narrow(&v, bf16::ZERO, bf16::from_f32), shape, &Device::Cpu)
+        }
+        DType::F16 => Tensor::from_vec(narrow(&v, f16::ZERO, f16::from_f32), shape, &Device::Cpu),
+        _ => Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype),
+    }
 }
 
 /// Rows per task for kernels that reduce over rows (bias and norm-weight

@@ -11,7 +11,8 @@ use crate::kernels::{self, Act};
 ///
 /// On CPU this is one op (gemm with the bias fused in, activation and its
 /// backward in the same pass). In bf16 its products take the bf16 operands
-/// with f32 sums on CPUs with AVX-512 BF16 (`kernels/gemm_bf16.rs`; twice
+/// with f32 sums on CPUs with AMX tiles (`kernels/raw/amx.rs`, reading the
+/// bf16 tensors as they lie) or AVX-512 BF16 (`kernels/gemm_bf16.rs`; twice
 /// the f32 rate), else they are computed in f32, since candle's CPU gemm has
 /// no bf16 kernel.
 pub fn linear(
@@ -105,17 +106,26 @@ mod tests {
     #[test]
     fn bf16_linear_matches_f32_on_the_same_values_forward_and_backward() -> Result<()> {
         // 300 rows: past the skinny forward, so every product is a gemm
-        // (bf16 products where the CPU has them). The f32 reference runs the
-        // composed ops on the very same bf16 values.
+        // (bf16 products where the CPU has them); 20 rows, fewer than the
+        // outputs: AMX's transposed forward, and the skinny one elsewhere.
+        // The f32 reference runs the composed ops on the very same bf16
+        // values.
+        for rows in [300, 20] {
+            bf16_linear_matches_f32(rows)?;
+        }
+        Ok(())
+    }
+
+    fn bf16_linear_matches_f32(rows: usize) -> Result<()> {
         let bf = |shape: &[usize], seed| -> Result<candle_core::Var> {
             candle_core::Var::from_tensor(&randn(shape, seed, 1.0)?.to_dtype(DType::BF16)?)
         };
-        let (x, w, b) = (bf(&[300, 70], 1)?, bf(&[90, 70], 2)?, bf(&[90], 3)?);
+        let (x, w, b) = (bf(&[rows, 70], 1)?, bf(&[90, 70], 2)?, bf(&[90], 3)?);
         let up = |v: &candle_core::Var| -> Result<candle_core::Var> {
             candle_core::Var::from_tensor(&v.to_dtype(DType::F32)?)
         };
         let (x32, w32, b32) = (up(&x)?, up(&w)?, up(&b)?);
-        let g = randn(&[300, 90], 4, 1.0)?;
+        let g = randn(&[rows, 90], 4, 1.0)?;
         let y = linear(&x, &w, Some(&b), Some(Activation::Silu))?;
         let y32 = composed_linear(&x32, &w32, Some(&b32), Some(Activation::Silu))?;
         let grads = (y.to_dtype(DType::F32)? * &g)?.sum_all()?.backward()?;
@@ -128,7 +138,7 @@ mod tests {
             // bf16 before its products.
             assert!(
                 err <= 1.6e-2 * scale,
-                "{what}: max error {err} at scale {scale}"
+                "{rows} rows, {what}: max error {err} at scale {scale}"
             );
             Ok(())
         };

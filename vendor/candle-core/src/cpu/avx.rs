@@ -4,7 +4,6 @@ use core::arch::x86::*;
 #[cfg(target_arch = "x86_64")]
 use core::arch::x86_64::*;
 use half::{bf16, f16};
-use std::{is_x86_feature_detected, mem::transmute};
 
 pub struct CurrentCpu {}
 
@@ -162,18 +161,16 @@ impl CpuBF16 for CurrentCpuBF16 {
         _mm256_set1_ps(v)
     }
 
+    // accel-rs patch: bf16 <-> f32 in AVX2 integer ops, inlined. The
+    // upstream version called the AVX-512 BF16 conversion intrinsics from
+    // AVX2-only functions (so never inlined) behind a feature check per 8
+    // values: a bf16 add ran 80x slower than an f32 one (1.5 ms against
+    // 0.018 ms for 196 K values on a Xeon).
+    #[inline(always)]
     unsafe fn load(mem_addr: *const bf16) -> Self::Unit {
-        if is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512vl") {
-            _mm256_cvtpbh_ps(transmute::<__m128i, __m128bh>(_mm_loadu_si128(
-                mem_addr as *const __m128i,
-            )))
-        } else {
-            let mut tmp = [0.0f32; 8];
-            for i in 0..8 {
-                tmp[i] = (*mem_addr.add(i)).to_f32();
-            }
-            _mm256_loadu_ps(tmp.as_ptr())
-        }
+        // bf16 is the top half of an f32: widen and shift.
+        let h = _mm_loadu_si128(mem_addr as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
     }
 
     unsafe fn vec_add(a: Self::Unit, b: Self::Unit) -> Self::Unit {
@@ -184,19 +181,20 @@ impl CpuBF16 for CurrentCpuBF16 {
         _mm256_add_ps(_mm256_mul_ps(b, c), a)
     }
 
+    #[inline(always)]
     unsafe fn vec_store(mem_addr: *mut bf16, a: Self::Unit) {
-        if is_x86_feature_detected!("avx512bf16") && is_x86_feature_detected!("avx512vl") {
-            _mm_storeu_si128(
-                mem_addr as *mut __m128i,
-                transmute::<__m128bh, __m128i>(_mm256_cvtneps_pbh(a)),
-            )
-        } else {
-            let mut tmp = [0.0f32; 8];
-            _mm256_storeu_ps(tmp.as_mut_ptr(), a);
-            for i in 0..8 {
-                *mem_addr.add(i) = bf16::from_f32(tmp[i]);
-            }
-        }
+        // Round to nearest even as `bf16::from_f32` does; a NaN stays a
+        // (quiet) NaN.
+        let bits = _mm256_castps_si256(a);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let bias = _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(bits, bias));
+        let quiet = _mm256_or_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(0x40));
+        let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(a, a));
+        let h = _mm256_blendv_epi8(rounded, quiet, nan);
+        // Eight 32-bit lanes (each below 0x10000) to eight u16.
+        let packed = _mm256_permute4x64_epi64::<0xd8>(_mm256_packus_epi32(h, h));
+        _mm_storeu_si128(mem_addr as *mut __m128i, _mm256_castsi256_si128(packed));
     }
 
     unsafe fn vec_reduce(mut x: Self::Array, y: *mut f32) {

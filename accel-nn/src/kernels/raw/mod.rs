@@ -1,12 +1,15 @@
-//! The one audited file of `unsafe` in accel-nn.
+//! The one audited module of `unsafe` in accel-nn (this file and `amx.rs`,
+//! the AMX tile kernel's inline assembly).
 //!
 //! Why it exists: the fused kernels call `gemm` with the strides their data
 //! already has (so head splits and weight transposes cost no copies), and
 //! `gemm::gemm` takes raw pointers. Everything else (`Vec` allocation
-//! without a zero fill, AVX-512/AVX2 dispatch) is here for the same reason:
-//! one place to audit. Every entry point is a safe function that checks the
+//! without a zero fill, AVX-512/AVX2 dispatch, AMX tiles) is here for the
+//! same reason: one place to audit. Every entry point is a safe function that checks the
 //! bounds the unsafe code relies on, so a shape bug in a kernel is a panic,
 //! never an out-of-bounds access.
+
+pub(crate) mod amx;
 
 /// A read-only strided matrix over a slice: element (i, j) lives at
 /// `data[off + i * rs + j * cs]`.
@@ -55,6 +58,12 @@ impl<'a> MatRef<'a> {
     ) -> Option<&'a [f32]> {
         let unit = if along_row { self.cs } else { self.rs };
         (unit == 1).then(|| &self.data[self.off + i * self.rs + j * self.cs..][..len])
+    }
+
+    /// The same matrix as an operand of the AMX kernel (rounded to bf16 as
+    /// it is packed).
+    pub(crate) fn half(&self) -> amx::HalfRef<'a> {
+        amx::HalfRef::new(amx::Values::F32(self.data), self.off, (self.rs, self.cs))
     }
 
     /// Panics unless every element of a `rows x cols` matrix is in bounds.

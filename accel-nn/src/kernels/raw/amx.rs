@@ -1,0 +1,781 @@
+//! bf16 matrix products on AMX tiles (Intel Sapphire Rapids and later), in
+//! the audited `unsafe` module: the tile instructions are inline assembly,
+//! and the driver writes disjoint output blocks from the pool's threads
+//! through one pointer.
+//!
+//! Why: PyTorch's oneDNN multiplies bf16 on AMX where the CPU has it, and
+//! the AVX-512 BF16 kernel (`vdpbf16ps`, [`super::bf16_tile`]) reaches a
+//! third of that: on the 2-core Xeon a LoRA step on a bf16 base ran at 0.16x
+//! PEFT's. One `tdpbf16ps` multiplies a 16 x 32 bf16 tile by a 32 x 16 one
+//! into 16 x 16 f32 sums. Measured on one core for a `[4864, 896] x [896,
+//! 128]` product: 585 GFLOP/s here, 692 for oneDNN, 228 for `vdpbf16ps`.
+//!
+//! The kernel keeps a 32 x 32 block of `c` in four tiles (`tmm0..3`), and
+//! per step of 32 along `k` loads two tiles of `a` rows (`tmm4`, `tmm5`) and
+//! two of `b` (`tmm6`, `tmm7`). `a` is read as row-major bf16 (in place when
+//! it is a bf16 matrix with contiguous rows and `k` a multiple of 32, the
+//! weight in `W x^T`; else packed per block of rows), `b` as panels of 32
+//! columns holding pairs of consecutive `k` (the instruction's layout),
+//! packed per call. Each output is summed over `k` in one fixed order
+//! whatever the thread count.
+//!
+//! The intrinsics are unstable in Rust 1.95, hence `asm!`; LLVM's assembler
+//! knows the mnemonics. Linux hands out the tile state only after
+//! `arch_prctl(ARCH_REQ_XCOMP_PERM)`, asked once per process.
+
+use half::bf16;
+
+use super::{par, SendPtr};
+
+/// Rows and columns of the block of `c` one kernel call computes.
+pub(crate) const BLOCK: usize = 32;
+/// `k` per tile step: a tile row of 64 bytes holds 32 bf16.
+const KSTEP: usize = 32;
+/// Bytes per row of a packed panel of `b` (32 columns of bf16 pairs).
+const PANEL_ROW_BYTES: usize = 4 * BLOCK;
+
+/// Whether this CPU and OS run the AMX kernel: AMX-TILE and AMX-BF16 in
+/// CPUID, and the kernel granted the tile state to this process.
+pub(crate) fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(detect)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect() -> bool {
+    use core::arch::x86_64::__cpuid_count;
+    const ARCH_REQ_XCOMP_PERM: libc::c_ulong = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_ulong = 18;
+    if __cpuid_count(0, 0).eax < 7 {
+        return false;
+    }
+    let edx = __cpuid_count(7, 0).edx;
+    let (amx_bf16, amx_tile) = (edx >> 22 & 1 == 1, edx >> 24 & 1 == 1);
+    if !(amx_bf16 && amx_tile) {
+        return false;
+    }
+    // SAFETY: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)` takes two
+    // integers and only changes which register state the kernel saves for
+    // this process; an older kernel answers with an error (then no AMX).
+    let granted = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
+    granted == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn detect() -> bool {
+    false
+}
+
+/// The values of a matrix operand: bf16 as they lie, or f32 rounded to
+/// bf16 (to nearest even) when packed.
+#[derive(Clone, Copy)]
+pub(crate) enum Values<'a> {
+    Bf16(&'a [bf16]),
+    F32(&'a [f32]),
+}
+
+/// A read-only strided matrix operand: element (i, j) lives at
+/// `off + i * rs + j * cs` of its values.
+#[derive(Clone, Copy)]
+pub(crate) struct HalfRef<'a> {
+    vals: Values<'a>,
+    off: usize,
+    rs: usize,
+    cs: usize,
+}
+
+/// `x` as bf16 bits, rounded to nearest even (a NaN stays a NaN).
+#[inline(always)]
+pub(crate) fn bf16_bits(x: f32) -> u16 {
+    // Branch-free (a select), so that packing loops vectorise.
+    let b = x.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1))) >> 16;
+    let quiet_nan = (b >> 16) | 0x40;
+    (if x.is_nan() { quiet_nan } else { rounded }) as u16
+}
+
+impl<'a> HalfRef<'a> {
+    pub(crate) fn new(vals: Values<'a>, off: usize, (rs, cs): (usize, usize)) -> Self {
+        Self { vals, off, rs, cs }
+    }
+
+    /// The transposed operand (no copy).
+    pub(crate) fn t(self) -> Self {
+        Self {
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    /// Whether [`gemm`] reads this operand in place as its `a` with `k`
+    /// columns: bf16 rows, whole tile steps.
+    pub(crate) fn in_place_as_lhs(&self, k: usize) -> bool {
+        matches!(self.vals, Values::Bf16(_)) && self.cs == 1 && k % KSTEP == 0
+    }
+
+    /// The operand as an f32 matrix, when its values are f32.
+    pub(crate) fn as_f32(&self) -> Option<super::MatRef<'a>> {
+        match self.vals {
+            Values::F32(data) => Some(super::MatRef {
+                data,
+                off: self.off,
+                rs: self.rs,
+                cs: self.cs,
+            }),
+            Values::Bf16(_) => None,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self.vals {
+            Values::Bf16(v) => v.len(),
+            Values::F32(v) => v.len(),
+        }
+    }
+
+    /// `len` consecutive values from flat index `at`, as bf16 bits.
+    #[inline(always)]
+    fn run(&self, at: usize, len: usize, out: &mut [u16]) {
+        match self.vals {
+            Values::Bf16(v) => {
+                for (o, x) in out[..len].iter_mut().zip(&v[at..at + len]) {
+                    *o = x.to_bits();
+                }
+            }
+            Values::F32(v) => {
+                for (o, &x) in out[..len].iter_mut().zip(&v[at..at + len]) {
+                    *o = bf16_bits(x);
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn bits(&self, i: usize, j: usize) -> u16 {
+        let at = self.off + i * self.rs + j * self.cs;
+        match self.vals {
+            Values::Bf16(v) => v[at].to_bits(),
+            Values::F32(v) => bf16_bits(v[at]),
+        }
+    }
+
+    fn check(&self, rows: usize, cols: usize, what: &str) {
+        if rows == 0 || cols == 0 {
+            return;
+        }
+        let last = self.off + (rows - 1) * self.rs + (cols - 1) * self.cs;
+        assert!(
+            last < self.len(),
+            "amx gemm: {what} [{rows}, {cols}] (offset {}, strides {}, {}) overruns {}",
+            self.off,
+            self.rs,
+            self.cs,
+            self.len()
+        );
+    }
+}
+
+/// Where the product goes: element (i, j) of `c` at `off + i * rs + j * cs`.
+#[derive(Clone, Copy)]
+pub(crate) struct OutLayout {
+    pub(crate) off: usize,
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
+}
+
+/// `c (+)= a [m, k] @ b [k, n]` with the operands rounded to bf16 and f32
+/// sums, on AMX tiles, split over the pool's threads.
+///
+/// `c` is row-major (`cs == 1`, `rs >= n`) or column-major (`rs == 1`,
+/// `cs >= m`), so no two outputs share a slot.
+///
+/// # Panics
+/// When [`available`] is false, an operand or the output overruns its
+/// slice, or the output layout is neither of the two.
+pub(crate) fn gemm(
+    (m, n, k): (usize, usize, usize),
+    a: HalfRef<'_>,
+    b: HalfRef<'_>,
+    c: &mut [f32],
+    out: OutLayout,
+    accumulate: bool,
+) {
+    a.check(m, k, "lhs");
+    b.check(k, n, "rhs");
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        (out.cs == 1 && out.rs >= n) || (out.rs == 1 && out.cs >= m),
+        "amx gemm: output strides ({}, {}) for [{m}, {n}] are neither row- nor column-major",
+        out.rs,
+        out.cs
+    );
+    let last = out.off + (m - 1) * out.rs + (n - 1) * out.cs;
+    assert!(
+        last < c.len(),
+        "amx gemm: output [{m}, {n}] overruns {}",
+        c.len()
+    );
+    assert!(available(), "amx gemm: this CPU or OS has no AMX");
+    let k2 = k.div_ceil(KSTEP) * KSTEP;
+    let (mb, nb) = (m.div_ceil(BLOCK), n.div_ceil(BLOCK));
+    let direct_a = a.in_place_as_lhs(k);
+    let job = Job {
+        dims: (m, n, k2),
+        c: SendPtr(c.as_mut_ptr()),
+        out,
+        accumulate,
+    };
+    let bp = PackedB::new(&b, (k, n), k2);
+    if mb >= nb {
+        // The threads split the rows.
+        par::for_each(mb, |ib| {
+            let mut ap = Vec::new();
+            let (a_ptr, lda) = a_rows(&a, (m, k, k2), ib, direct_a, &mut ap);
+            with_tiles(|| {
+                for q in 0..nb {
+                    // SAFETY: `a_rows` returns 32 rows of k2 bf16 at stride
+                    // `lda` in bounds; `bp.panel(q)` is a whole packed
+                    // panel; the block (ib, q) is inside the checked output.
+                    unsafe { job.block((ib, q), (a_ptr, lda), bp.panel(q)) }
+                }
+            })
+        });
+    } else {
+        // The threads split the columns; `a` is packed once unless read in
+        // place.
+        let direct_a = direct_a && m % BLOCK == 0;
+        let ap: Vec<u16> = if direct_a {
+            Vec::new()
+        } else {
+            let mut ap = vec![0u16; mb * BLOCK * k2];
+            par::chunks_mut(&mut ap, BLOCK * k2, |ib, rows| {
+                pack_a_rows(&a, (m, k, k2), ib * BLOCK, rows)
+            });
+            ap
+        };
+        par::for_each(nb, |q| {
+            with_tiles(|| {
+                for ib in 0..mb {
+                    let (a_ptr, lda) = if direct_a {
+                        a_in_place(&a, ib)
+                    } else {
+                        (ap[ib * BLOCK * k2..].as_ptr().cast(), 2 * k2)
+                    };
+                    // SAFETY: as above (a full row block either in place or
+                    // in `ap`, which has mb blocks of 32 x k2).
+                    unsafe { job.block((ib, q), (a_ptr, lda), bp.panel(q)) }
+                }
+            })
+        });
+    }
+}
+
+/// `b` packed for the kernel: per panel of 32 columns and step of 32 along
+/// `k`, 16 rows of 32 pairs of consecutive `k` (the lower one in the low
+/// half; zeros past `k` and `n`).
+///
+/// Two orders, so that packing reads `b` along its contiguous direction:
+/// panel-major when columns are contiguous (a transposed weight: each
+/// panel reads 32 columns front to back), step-major when rows are (each
+/// step reads 32 whole rows). Reading a row-major weight panel by panel
+/// touched a new page per 64 bytes and made packing cost more than the
+/// products.
+struct PackedB {
+    /// The packed panels, then stale values past them (a reused buffer).
+    data: Vec<u32>,
+    /// u32 between the starts of consecutive panels.
+    panel_stride: usize,
+    /// Bytes between consecutive steps of one panel.
+    step_bytes: usize,
+}
+
+/// u32 in one step of one panel: 16 rows of 32 pairs.
+const STEP_U32: usize = KSTEP / 2 * BLOCK;
+
+thread_local! {
+    /// The calling thread's last packing buffer, reused: a fresh one per
+    /// call faulted in (and zeroed) up to the weight's size every time.
+    static PACK_BUFFER: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl PackedB {
+    fn new(b: &HalfRef<'_>, (k, n): (usize, usize), k2: usize) -> Self {
+        let (nb, steps) = (n.div_ceil(BLOCK), k2 / KSTEP);
+        let len = nb * steps * STEP_U32;
+        // Reused contents are stale: the packers write every slot. The
+        // buffer keeps its longest length, so that no call zero-fills more
+        // than it grows.
+        let mut buf = PACK_BUFFER.with(|b| b.take());
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        let data = &mut buf[..len];
+        if b.cs == 1 && b.rs != 1 {
+            par::chunks_mut(data, nb * STEP_U32, |i, step| {
+                pack_b_step(b, (k, n), i * KSTEP, step)
+            });
+            Self {
+                data: buf,
+                panel_stride: STEP_U32,
+                step_bytes: 4 * nb * STEP_U32,
+            }
+        } else {
+            par::chunks_mut(data, steps * STEP_U32, |q, panel| {
+                pack_b_panel(b, (k, n), q * BLOCK, panel)
+            });
+            Self {
+                data: buf,
+                panel_stride: steps * STEP_U32,
+                step_bytes: 4 * STEP_U32,
+            }
+        }
+    }
+
+    /// Panel `q` as the kernel reads it: its first step, and the bytes to
+    /// the next.
+    fn panel(&self, q: usize) -> (*const u8, usize) {
+        (
+            self.data[q * self.panel_stride..].as_ptr().cast(),
+            self.step_bytes,
+        )
+    }
+}
+
+impl Drop for PackedB {
+    fn drop(&mut self) {
+        let data = std::mem::take(&mut self.data);
+        PACK_BUFFER.with(|b| b.set(data));
+    }
+}
+
+/// Rows `k0..k0 + 32` of a `b` with contiguous rows, every panel: `out` is
+/// `[panel][16][32]` pairs.
+fn pack_b_step(b: &HalfRef<'_>, (k, n): (usize, usize), k0: usize, out: &mut [u32]) {
+    let mut rows = [[0u16; BLOCK]; 2];
+    for (q, panel) in out.chunks_mut(STEP_U32).enumerate() {
+        let (j0, cols) = (q * BLOCK, BLOCK.min(n - q * BLOCK));
+        for (p, dst) in panel.chunks_mut(BLOCK).enumerate() {
+            let kk = k0 + 2 * p;
+            if kk >= k {
+                dst.fill(0);
+                continue;
+            }
+            let at = |h: usize| b.off + (kk + h) * b.rs + j0;
+            if let (Values::Bf16(v), true) = (b.vals, kk + 1 < k && cols == BLOCK) {
+                // The common case, read in place (a copy per 32 values
+                // through `run` was a tenth of a LoRA step).
+                let r0: &[bf16; BLOCK] = v[at(0)..][..BLOCK].try_into().expect("32 values");
+                let r1: &[bf16; BLOCK] = v[at(1)..][..BLOCK].try_into().expect("32 values");
+                for ((d, x), y) in dst.iter_mut().zip(r0).zip(r1) {
+                    *d = u32::from(x.to_bits()) | u32::from(y.to_bits()) << 16;
+                }
+                continue;
+            }
+            for (h, row) in rows.iter_mut().enumerate() {
+                if kk + h < k {
+                    b.run(at(h), cols, row);
+                } else {
+                    *row = [0; BLOCK];
+                }
+            }
+            for ((d, &x), &y) in dst[..cols].iter_mut().zip(&rows[0]).zip(&rows[1]) {
+                *d = u32::from(x) | u32::from(y) << 16;
+            }
+            dst[cols..].fill(0);
+        }
+    }
+}
+
+/// The rows of `a` in row block `ib` as the kernel reads them: in place,
+/// or packed into `buf` (when not `direct`, or for a short last block).
+fn a_rows(
+    a: &HalfRef<'_>,
+    (m, k, k2): (usize, usize, usize),
+    ib: usize,
+    direct: bool,
+    buf: &mut Vec<u16>,
+) -> (*const u8, usize) {
+    if direct && (ib + 1) * BLOCK <= m {
+        return a_in_place(a, ib);
+    }
+    buf.resize(BLOCK * k2, 0);
+    pack_a_rows(a, (m, k, k2), ib * BLOCK, buf);
+    (buf.as_ptr().cast(), 2 * k2)
+}
+
+/// Row block `ib` of a bf16 `a` with contiguous rows, in place (the caller
+/// checked that a whole block of rows exists, or packs the last one).
+fn a_in_place(a: &HalfRef<'_>, ib: usize) -> (*const u8, usize) {
+    let Values::Bf16(v) = a.vals else {
+        unreachable!("only bf16 operands are read in place")
+    };
+    (v[a.off + ib * BLOCK * a.rs..].as_ptr().cast(), 2 * a.rs)
+}
+
+/// Rows `i0..i0 + 32` of `a` (zeros past `m`) as `[32][k2]` bf16 bits
+/// (zeros past `k`).
+fn pack_a_rows(a: &HalfRef<'_>, (m, k, k2): (usize, usize, usize), i0: usize, out: &mut [u16]) {
+    out.fill(0);
+    let rows = BLOCK.min(m - i0);
+    if a.cs == 1 {
+        for (r, dst) in out.chunks_mut(k2).take(rows).enumerate() {
+            a.run(a.off + (i0 + r) * a.rs, k, dst);
+        }
+    } else if a.rs == 1 {
+        // Columns contiguous along the rows (a transposed operand).
+        let mut col = [0u16; BLOCK];
+        for kk in 0..k {
+            a.run(a.off + i0 + kk * a.cs, rows, &mut col);
+            for (r, &v) in col[..rows].iter().enumerate() {
+                out[r * k2 + kk] = v;
+            }
+        }
+    } else {
+        for (r, dst) in out.chunks_mut(k2).take(rows).enumerate() {
+            for (kk, d) in dst[..k].iter_mut().enumerate() {
+                *d = a.bits(i0 + r, kk);
+            }
+        }
+    }
+}
+
+/// Columns `j0..j0 + 32` of `b` as `[k2 / 2][32]` pairs (zeros past `n`
+/// and `k`).
+fn pack_b_panel(b: &HalfRef<'_>, (k, n): (usize, usize), j0: usize, out: &mut [u32]) {
+    let cols = BLOCK.min(n - j0);
+    if cols < BLOCK || k % KSTEP != 0 || b.rs != 1 {
+        // Slots the loops below leave alone.
+        out.fill(0);
+    }
+    if b.rs == 1 {
+        // Each column contiguous along `k` (a weight `[out, in]` read as
+        // its transpose): pairs of one column lie side by side.
+        let mut col = vec![0u16; k + 1];
+        for j in 0..cols {
+            b.run(b.off + (j0 + j) * b.cs, k, &mut col);
+            col[k] = 0;
+            for (p, dst) in out
+                .iter_mut()
+                .skip(j)
+                .step_by(BLOCK)
+                .take(k.div_ceil(2))
+                .enumerate()
+            {
+                *dst = u32::from(col[2 * p]) | u32::from(col[2 * p + 1]) << 16;
+            }
+        }
+    } else {
+        for (p, dst) in out.chunks_mut(BLOCK).take(k.div_ceil(2)).enumerate() {
+            for (j, d) in dst[..cols].iter_mut().enumerate() {
+                let y = if 2 * p + 1 < k {
+                    b.bits(2 * p + 1, j0 + j)
+                } else {
+                    0
+                };
+                *d = u32::from(b.bits(2 * p, j0 + j)) | u32::from(y) << 16;
+            }
+        }
+    }
+}
+
+/// One call's output and shape, shared by its tasks.
+struct Job {
+    /// (m, n, k rounded up to a tile step)
+    dims: (usize, usize, usize),
+    c: SendPtr<f32>,
+    out: OutLayout,
+    accumulate: bool,
+}
+
+impl Job {
+    /// Block (ib, q) of the output from 32 rows of `a` and panel `q` of `b`.
+    ///
+    /// # Safety
+    /// The tile configuration is loaded on this thread ([`with_tiles`]);
+    /// `a` points at 32 rows of `k2` bf16 with row stride `lda` bytes and
+    /// `b` at a packed panel ([`PackedB::panel`]), both readable; the
+    /// output was checked to hold the `m x n` product in distinct slots,
+    /// and no other thread writes block (ib, q).
+    unsafe fn block(
+        &self,
+        (ib, q): (usize, usize),
+        (a, lda): (*const u8, usize),
+        b: (*const u8, usize),
+    ) {
+        let (m, n, k2) = self.dims;
+        let (i0, j0) = (ib * BLOCK, q * BLOCK);
+        let (rows, cols) = (BLOCK.min(m - i0), BLOCK.min(n - j0));
+        let OutLayout { off, rs, cs } = self.out;
+        let c = self.c.get();
+        if rows == BLOCK && cols == BLOCK && cs == 1 {
+            let dst = c.add(off + i0 * rs + j0).cast::<u8>();
+            tile_block(k2 / KSTEP, (a, lda), b, (dst, 4 * rs), self.accumulate);
+            return;
+        }
+        let mut t = [0f32; BLOCK * BLOCK];
+        tile_block(
+            k2 / KSTEP,
+            (a, lda),
+            b,
+            (t.as_mut_ptr().cast(), 4 * BLOCK),
+            false,
+        );
+        // Walk the output's contiguous direction innermost.
+        let (outer, inner) = if cs == 1 { (rows, cols) } else { (cols, rows) };
+        for u in 0..outer {
+            for v in 0..inner {
+                let (r, j) = if cs == 1 { (u, v) } else { (v, u) };
+                let slot = &mut *c.add(off + (i0 + r) * rs + (j0 + j) * cs);
+                let x = t[r * BLOCK + j];
+                *slot = if self.accumulate { *slot + x } else { x };
+            }
+        }
+    }
+}
+
+/// The tile configuration: palette 1, eight tiles of 16 rows x 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+static TILE_CONFIG: TileConfig = {
+    let mut cfg = [0u8; 64];
+    cfg[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        cfg[16 + 2 * t] = 64; // bytes per row (little-endian u16)
+        cfg[48 + t] = 16; // rows
+        t += 1;
+    }
+    TileConfig(cfg)
+};
+
+/// Runs `f` with the tile configuration loaded on this thread, and releases
+/// the tile state after (so the OS does not save it on every switch).
+fn with_tiles<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: `available()` was asserted by the caller (`gemm`); the
+    // configuration is a valid palette-1 layout, 64-byte aligned.
+    unsafe { std::arch::asm!("ldtilecfg [{}]", in(reg) TILE_CONFIG.0.as_ptr(), options(nostack)) };
+    let r = f();
+    // SAFETY: as above; releasing leaves the tiles in their init state.
+    unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+    r
+}
+
+/// `c[32 x 32] (+)= a[32 x 32 chunks] . b` over `chunks` steps of 32 along
+/// `k`: `a` rows of `64 * chunks` bytes at stride `lda`, `b` a packed panel
+/// (16 rows of 128 bytes per step, steps `b_step` bytes apart), `c` 32 rows
+/// of 128 bytes at `ldc`.
+///
+/// # Safety
+/// The tile configuration is loaded ([`with_tiles`]); the three regions
+/// are valid for the reads (and writes to `c`) described above.
+#[inline(always)]
+unsafe fn tile_block(
+    chunks: usize,
+    (a, lda): (*const u8, usize),
+    (b, b_step): (*const u8, usize),
+    (c, ldc): (*mut u8, usize),
+    load_c: bool,
+) {
+    use std::arch::asm;
+    let a1 = a.add(16 * lda);
+    let c1 = c.add(16 * ldc);
+    if load_c {
+        asm!(
+            "tileloadd tmm0, [{c} + {s}*1]",
+            "tileloadd tmm1, [{c} + {s}*1 + 64]",
+            "tileloadd tmm2, [{c1} + {s}*1]",
+            "tileloadd tmm3, [{c1} + {s}*1 + 64]",
+            c = in(reg) c, c1 = in(reg) c1, s = in(reg) ldc,
+            options(nostack, readonly),
+        );
+    } else {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        );
+    }
+    for i in 0..chunks {
+        asm!(
+            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tileloadd tmm6, [{b} + {sb}*1]",
+            "tileloadd tmm7, [{b} + {sb}*1 + 64]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm5, [{a1} + {sa}*1]",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a.add(64 * i),
+            a1 = in(reg) a1.add(64 * i),
+            b = in(reg) b.add(b_step * i),
+            sa = in(reg) lda,
+            sb = in(reg) PANEL_ROW_BYTES,
+            options(nostack, readonly),
+        );
+    }
+    asm!(
+        "tilestored [{c} + {s}*1], tmm0",
+        "tilestored [{c} + {s}*1 + 64], tmm1",
+        "tilestored [{c1} + {s}*1], tmm2",
+        "tilestored [{c1} + {s}*1 + 64], tmm3",
+        c = in(reg) c, c1 = in(reg) c1, s = in(reg) ldc,
+        options(nostack),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let v = ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2000) as f32;
+                bf16::from_f32(v / 1000.0 - 1.0).to_f32()
+            })
+            .collect()
+    }
+
+    /// The f64 product of the operands as bf16 values.
+    fn reference(m: usize, n: usize, k: usize, a: &HalfRef, b: &HalfRef) -> Vec<f64> {
+        let f = |bits: u16| f64::from(bf16::from_bits(bits).to_f32());
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|kk| f(a.bits(i, kk)) * f(b.bits(kk, j))).sum();
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn products_match_a_reference_in_every_layout_and_shape() {
+        if !available() {
+            eprintln!("skipped: no AMX on this CPU or OS");
+            return;
+        }
+        // Ragged rows, columns and k; row- and column-split (m < n) calls;
+        // in-place bf16 rows and packed f32 or transposed operands.
+        for (m, n, k) in [
+            (1, 1, 1),
+            (32, 32, 32),
+            (70, 33, 96),
+            (33, 100, 50),
+            (64, 40, 33),
+        ] {
+            let (x, y) = (values(m * k, 1), values(k * n, 2));
+            let (xb, yb): (Vec<bf16>, Vec<bf16>) = (
+                x.iter().map(|&v| bf16::from_f32(v)).collect(),
+                y.iter().map(|&v| bf16::from_f32(v)).collect(),
+            );
+            let xt: Vec<f32> = (0..k * m).map(|t| x[(t % m) * k + t / m]).collect();
+            let yt: Vec<f32> = (0..n * k).map(|t| y[(t % k) * n + t / k]).collect();
+            let lhs = [
+                HalfRef::new(Values::Bf16(&xb), 0, (k, 1)),
+                HalfRef::new(Values::F32(&x), 0, (k, 1)),
+                HalfRef::new(Values::F32(&xt), 0, (1, m)),
+            ];
+            let rhs = [
+                HalfRef::new(Values::Bf16(&yb), 0, (n, 1)),
+                HalfRef::new(Values::F32(&yt), 0, (1, k)),
+            ];
+            let want = reference(m, n, k, &lhs[0], &rhs[0]);
+            for a in &lhs {
+                for b in &rhs {
+                    // Row-major with a padded row, and column-major.
+                    for (out, len) in [
+                        (
+                            OutLayout {
+                                off: 1,
+                                rs: n + 2,
+                                cs: 1,
+                            },
+                            1 + m * (n + 2),
+                        ),
+                        (
+                            OutLayout {
+                                off: 0,
+                                rs: 1,
+                                cs: m,
+                            },
+                            m * n,
+                        ),
+                    ] {
+                        let mut c = vec![1f32; len];
+                        gemm((m, n, k), *a, *b, &mut c, out, true);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let got = f64::from(c[out.off + i * out.rs + j * out.cs]);
+                                let w = want[i * n + j] + 1.0;
+                                assert!(
+                                    (got - w).abs() <= 1e-5 * w.abs().max(1.0),
+                                    "{m} {n} {k} ({i}, {j}): {got} vs {w}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_thread_count_does_not_change_a_single_bit() {
+        if !available() {
+            eprintln!("skipped: no AMX on this CPU or OS");
+            return;
+        }
+        let (m, n, k) = (96, 200, 320);
+        let (x, y) = (values(m * k, 3), values(k * n, 4));
+        let run = |threads| {
+            par::with_threads(threads, || {
+                let mut c = vec![0f32; m * n];
+                let out = OutLayout {
+                    off: 0,
+                    rs: n,
+                    cs: 1,
+                };
+                let (a, b) = (
+                    HalfRef::new(Values::F32(&x), 0, (k, 1)),
+                    HalfRef::new(Values::F32(&y), 0, (n, 1)),
+                );
+                gemm((m, n, k), a, b, &mut c, out, false);
+                c
+            })
+        };
+        assert_eq!(run(1), run(2));
+    }
+
+    #[test]
+    #[should_panic(expected = "neither row- nor column-major")]
+    fn an_output_whose_slots_could_overlap_is_refused() {
+        // The layout is checked before the CPU, so this runs anywhere.
+        let x = [0f32; 4];
+        let mut c = [0f32; 4];
+        let a = HalfRef::new(Values::F32(&x), 0, (2, 1));
+        gemm(
+            (2, 2, 2),
+            a,
+            a,
+            &mut c,
+            OutLayout {
+                off: 0,
+                rs: 1,
+                cs: 1,
+            },
+            false,
+        );
+    }
+}
