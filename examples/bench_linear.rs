@@ -4,7 +4,7 @@
 //! JSON object: per shape and row count, GFLOP/s of each side's median time.
 //!
 //! ```text
-//! cargo run --release --example bench_linear -- [--rows 1,16,32,64,128,256] [--reps 9]
+//! cargo run --release --example bench_linear -- [--rows 1,16,32,64,128,256] [--reps 9] [--dtype f32|bf16]
 //! ```
 //! The default shapes are the linear layers of `bench_bigmodel`'s Llama
 //! (hidden 1536, intermediate 4096, 4 KV heads of 128, vocab 32000): `k x
@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use accel_core::nn::ops::linear;
 use anyhow::Result;
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use serde_json::json;
 
@@ -32,6 +32,10 @@ struct Args {
     /// `k x out` shapes, as `KxOUT` comma-separated (default: the Llama's).
     #[arg(long, value_delimiter = ',')]
     shapes: Vec<String>,
+    /// `f32`, or `bf16` (both sides on bf16 tensors: accel-nn's products on
+    /// AMX tiles or AVX-512 BF16 where the CPU has them).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -67,15 +71,23 @@ fn main() -> Result<()> {
             .map(|s| parse_shape(s))
             .collect::<Result<_>>()?
     };
+    let dtype = match args.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        other => anyhow::bail!("--dtype: {other:?} is neither f32 nor bf16"),
+    };
     let dev = Device::Cpu;
     let mut results = Vec::new();
     for (k, out) in shapes {
-        let w = Tensor::randn(0f32, 0.02, (out, k), &dev)?;
+        let w = Tensor::randn(0f32, 0.02, (out, k), &dev)?.to_dtype(dtype)?;
         for &m in &args.rows {
-            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?;
+            let x = Tensor::randn(0f32, 1.0, (m, k), &dev)?.to_dtype(dtype)?;
             // Agreement first: the two sides compute the same product.
             let (a, b) = (linear(&x, &w, None, None)?, x.matmul(&w.t()?)?);
-            let diff = (&a - &b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let diff = (&a.to_dtype(DType::F32)? - &b.to_dtype(DType::F32)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
             let (mut ours, mut candle) = (Vec::new(), Vec::new());
             // Two untimed pairs first: the first calls of a process pay for
             // the thread pool's start and the allocator's first pages.
@@ -104,6 +116,9 @@ fn main() -> Result<()> {
             }));
         }
     }
-    println!("{}", json!({ "reps": args.reps, "results": results }));
+    println!(
+        "{}",
+        json!({ "reps": args.reps, "dtype": args.dtype, "results": results })
+    );
     Ok(())
 }

@@ -36,6 +36,9 @@ fn plus_bias(mut y: Vec<f32>, b: Option<(&CpuStorage, &Layout)>, out: usize) -> 
     Ok(y)
 }
 
+/// A CPU storage and its layout, as ops receive them.
+type Operand<'a> = (&'a CpuStorage, &'a Layout);
+
 /// Up to this many rows, a bf16 forward takes the f32 skinny kernel rather
 /// than bf16 products.
 const BF16_SKINNY_MAX_ROWS: usize = 128;
@@ -114,11 +117,7 @@ impl LinearOp {
     /// `x w^T (+ b)` through f32 values: the f32 kernels, or the AVX-512
     /// BF16 one for bf16 operands (converted to f32 first).
     fn product_f32(
-        (x, w, b): (
-            (&CpuStorage, &Layout),
-            (&CpuStorage, &Layout),
-            Option<(&CpuStorage, &Layout)>,
-        ),
+        (x, w, b): (Operand, Operand, Option<Operand>),
         (n, inp, out): (usize, usize, usize),
         bf16: bool,
     ) -> Result<Vec<f32>> {

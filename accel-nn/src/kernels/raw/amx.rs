@@ -35,10 +35,14 @@ const KSTEP: usize = 32;
 const PANEL_ROW_BYTES: usize = 4 * BLOCK;
 
 /// Whether this CPU and OS run the AMX kernel: AMX-TILE and AMX-BF16 in
-/// CPUID, and the kernel granted the tile state to this process.
+/// CPUID, and the kernel granted the tile state to this process; unless
+/// `ACCEL_AMX=0` (or `off`) turns it off, for comparisons.
 pub(crate) fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(detect)
+    *AVAILABLE.get_or_init(|| {
+        let off = std::env::var("ACCEL_AMX").is_ok_and(|v| matches!(v.as_str(), "0" | "off"));
+        !off && detect()
+    })
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
@@ -117,7 +121,7 @@ impl<'a> HalfRef<'a> {
     /// Whether [`gemm`] reads this operand in place as its `a` with `k`
     /// columns: bf16 rows, whole tile steps.
     pub(crate) fn in_place_as_lhs(&self, k: usize) -> bool {
-        matches!(self.vals, Values::Bf16(_)) && self.cs == 1 && k % KSTEP == 0
+        matches!(self.vals, Values::Bf16(_)) && self.cs == 1 && k.is_multiple_of(KSTEP)
     }
 
     /// The operand as an f32 matrix, when its values are f32.
@@ -234,6 +238,10 @@ pub(crate) fn gemm(
         out,
         accumulate,
     };
+    let whole = (k2 / KSTEP, accumulate);
+    if mb < nb && b.cs == 1 && b.rs != 1 {
+        return streamed_b(&job, (&a, direct_a), &b, (k, n, k2));
+    }
     let bp = PackedB::new(&b, (k, n), k2);
     if mb >= nb {
         // The threads split the rows.
@@ -245,14 +253,14 @@ pub(crate) fn gemm(
                     // SAFETY: `a_rows` returns 32 rows of k2 bf16 at stride
                     // `lda` in bounds; `bp.panel(q)` is a whole packed
                     // panel; the block (ib, q) is inside the checked output.
-                    unsafe { job.block((ib, q), (a_ptr, lda), bp.panel(q)) }
+                    unsafe { job.block((ib, q), (a_ptr, lda), bp.panel(q), whole) }
                 }
             })
         });
     } else {
         // The threads split the columns; `a` is packed once unless read in
         // place.
-        let direct_a = direct_a && m % BLOCK == 0;
+        let direct_a = direct_a && m.is_multiple_of(BLOCK);
         let ap: Vec<u16> = if direct_a {
             Vec::new()
         } else {
@@ -272,11 +280,78 @@ pub(crate) fn gemm(
                     };
                     // SAFETY: as above (a full row block either in place or
                     // in `ap`, which has mb blocks of 32 x k2).
-                    unsafe { job.block((ib, q), (a_ptr, lda), bp.panel(q)) }
+                    unsafe { job.block((ib, q), (a_ptr, lda), bp.panel(q), whole) }
                 }
             })
         });
     }
+}
+
+/// Bytes of packed `b` a task keeps per block of `k`: within L2.
+const STREAM_BYTES: usize = 512 << 10;
+
+/// The column-split product when `b` is large and row-major (the weight
+/// in `dx = dh w`): each task takes a range of panels and walks `k` in
+/// blocks, packing its part of the block's rows (contiguous runs of the
+/// row) into a buffer that stays in L2, then multiplying it, adding into
+/// `c` after the first block. Packing all of `b` first wrote and re-read
+/// a copy of the weight through memory, a third of the backward.
+fn streamed_b(
+    job: &Job,
+    (a, direct_a): (&HalfRef<'_>, bool),
+    b: &HalfRef<'_>,
+    (k, n, k2): (usize, usize, usize),
+) {
+    let (m, _, _) = job.dims;
+    let (mb, nb, steps) = (m.div_ceil(BLOCK), n.div_ceil(BLOCK), k2 / KSTEP);
+    let direct_a = direct_a && m.is_multiple_of(BLOCK);
+    let ap: Vec<u16> = if direct_a {
+        Vec::new()
+    } else {
+        let mut ap = vec![0u16; mb * BLOCK * k2];
+        par::chunks_mut(&mut ap, BLOCK * k2, |ib, rows| {
+            pack_a_rows(a, (m, k, k2), ib * BLOCK, rows)
+        });
+        ap
+    };
+    let per = nb.div_ceil(par::threads().max(1));
+    par::for_each(nb.div_ceil(per), |g| {
+        let qs = g * per..nb.min((g + 1) * per);
+        let width = qs.len() * STEP_U32;
+        let kc = (STREAM_BYTES / (4 * width)).clamp(1, steps);
+        let mut buf = PACK_BUFFER.with(|b| b.take());
+        if buf.len() < kc * width {
+            buf.resize(kc * width, 0);
+        }
+        for s0 in (0..steps).step_by(kc) {
+            let sc = kc.min(steps - s0);
+            for (i, step) in buf.chunks_mut(width).take(sc).enumerate() {
+                pack_b_step(b, (k, n), ((s0 + i) * KSTEP, qs.start), step);
+            }
+            let acc = job.accumulate || s0 > 0;
+            with_tiles(|| {
+                for (ql, q) in qs.clone().enumerate() {
+                    let panel = (buf[ql * STEP_U32..].as_ptr().cast(), 4 * width);
+                    for ib in 0..mb {
+                        let (a_ptr, lda) = if direct_a {
+                            a_in_place(a, ib)
+                        } else {
+                            (ap[ib * BLOCK * k2..].as_ptr().cast::<u8>(), 2 * k2)
+                        };
+                        // SAFETY: 32 rows of `a` from column `32 * s0` on,
+                        // `sc` steps of the panel packed just above; the
+                        // block is inside the checked output and only this
+                        // task writes panel `q`'s blocks.
+                        unsafe {
+                            let a_ptr = a_ptr.add(2 * KSTEP * s0);
+                            job.block((ib, q), (a_ptr, lda), panel, (sc, acc))
+                        }
+                    }
+                }
+            });
+        }
+        PACK_BUFFER.with(|b| b.set(buf));
+    });
 }
 
 /// `b` packed for the kernel: per panel of 32 columns and step of 32 along
@@ -321,7 +396,7 @@ impl PackedB {
         let data = &mut buf[..len];
         if b.cs == 1 && b.rs != 1 {
             par::chunks_mut(data, nb * STEP_U32, |i, step| {
-                pack_b_step(b, (k, n), i * KSTEP, step)
+                pack_b_step(b, (k, n), (i * KSTEP, 0), step)
             });
             Self {
                 data: buf,
@@ -357,40 +432,94 @@ impl Drop for PackedB {
     }
 }
 
-/// Rows `k0..k0 + 32` of a `b` with contiguous rows, every panel: `out` is
-/// `[panel][16][32]` pairs.
-fn pack_b_step(b: &HalfRef<'_>, (k, n): (usize, usize), k0: usize, out: &mut [u32]) {
-    let mut rows = [[0u16; BLOCK]; 2];
-    for (q, panel) in out.chunks_mut(STEP_U32).enumerate() {
-        let (j0, cols) = (q * BLOCK, BLOCK.min(n - q * BLOCK));
-        for (p, dst) in panel.chunks_mut(BLOCK).enumerate() {
-            let kk = k0 + 2 * p;
-            if kk >= k {
-                dst.fill(0);
-                continue;
+/// Rows `k0..k0 + 32` of a `b` with contiguous rows, in panels from `q0`
+/// on: `out` is `[panel][16][32]` pairs.
+///
+/// Pairs of rows are read front to back (two streams the hardware
+/// prefetcher follows), and bf16 rows are interleaved with AVX-512 where
+/// the CPU has it (every CPU with AMX does): packing the weight is what
+/// the backward's product waits on.
+fn pack_b_step(b: &HalfRef<'_>, (k, n): (usize, usize), (k0, q0): (usize, usize), out: &mut [u32]) {
+    let panels = out.len() / STEP_U32;
+    let j0 = q0 * BLOCK;
+    let cols = n.min(j0 + panels * BLOCK) - j0;
+    let mut rows = [vec![0u16; cols], vec![0u16; cols]];
+    for p in 0..KSTEP / 2 {
+        let kk = k0 + 2 * p;
+        let row_at = |h: usize| b.off + (kk + h) * b.rs + j0;
+        if let (Values::Bf16(v), true) = (b.vals, kk + 1 < k) {
+            let (r0, r1) = (&v[row_at(0)..][..cols], &v[row_at(1)..][..cols]);
+            interleave(r0, r1, p, out);
+            continue;
+        }
+        for (h, row) in rows.iter_mut().enumerate() {
+            if kk + h < k {
+                b.run(row_at(h), cols, row);
+            } else {
+                row.fill(0);
             }
-            let at = |h: usize| b.off + (kk + h) * b.rs + j0;
-            if let (Values::Bf16(v), true) = (b.vals, kk + 1 < k && cols == BLOCK) {
-                // The common case, read in place (a copy per 32 values
-                // through `run` was a tenth of a LoRA step).
-                let r0: &[bf16; BLOCK] = v[at(0)..][..BLOCK].try_into().expect("32 values");
-                let r1: &[bf16; BLOCK] = v[at(1)..][..BLOCK].try_into().expect("32 values");
-                for ((d, x), y) in dst.iter_mut().zip(r0).zip(r1) {
-                    *d = u32::from(x.to_bits()) | u32::from(y.to_bits()) << 16;
-                }
-                continue;
-            }
-            for (h, row) in rows.iter_mut().enumerate() {
-                if kk + h < k {
-                    b.run(at(h), cols, row);
-                } else {
-                    *row = [0; BLOCK];
-                }
-            }
-            for ((d, &x), &y) in dst[..cols].iter_mut().zip(&rows[0]).zip(&rows[1]) {
+        }
+        for (q, panel) in out.chunks_mut(STEP_U32).enumerate() {
+            let dst = &mut panel[p * BLOCK..][..BLOCK];
+            let (lo, hi) = (q * BLOCK, cols.min((q + 1) * BLOCK));
+            for ((d, &x), &y) in dst.iter_mut().zip(&rows[0][lo..hi]).zip(&rows[1][lo..hi]) {
                 *d = u32::from(x) | u32::from(y) << 16;
             }
-            dst[cols..].fill(0);
+            dst[hi - lo..].fill(0);
+        }
+    }
+}
+
+/// Row `p` of every panel in `out` (`[panel][16][32]`) from two bf16 rows
+/// covering the panels' columns (zeros past their end).
+fn interleave(r0: &[bf16], r1: &[bf16], p: usize, out: &mut [u32]) {
+    assert!(r0.len() == r1.len() && r0.len() <= out.len() / STEP_U32 * BLOCK);
+    #[cfg(target_arch = "x86_64")]
+    if avx512bw() {
+        // SAFETY: the CPU has AVX-512F and BW (checked); the function is
+        // safe code compiled for them.
+        return unsafe { interleave_avx512(r0, r1, p, out) };
+    }
+    interleave_any(r0, r1, p, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512bw() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn interleave_avx512(r0: &[bf16], r1: &[bf16], p: usize, out: &mut [u32]) {
+    interleave_any(r0, r1, p, out)
+}
+
+#[inline(always)]
+fn interleave_any(r0: &[bf16], r1: &[bf16], p: usize, out: &mut [u32]) {
+    let whole = r0.len() / BLOCK;
+    for (q, panel) in out.chunks_exact_mut(STEP_U32).enumerate() {
+        let dst: &mut [u32; BLOCK] = (&mut panel[p * BLOCK..][..BLOCK]).try_into().unwrap();
+        if q < whole {
+            let x: &[bf16; BLOCK] = r0[q * BLOCK..][..BLOCK].try_into().unwrap();
+            let y: &[bf16; BLOCK] = r1[q * BLOCK..][..BLOCK].try_into().unwrap();
+            for j in 0..BLOCK {
+                dst[j] = u32::from(x[j].to_bits()) | u32::from(y[j].to_bits()) << 16;
+            }
+        } else {
+            let (x, y) = (
+                &r0[(q * BLOCK).min(r0.len())..],
+                &r1[(q * BLOCK).min(r1.len())..],
+            );
+            for (j, d) in dst.iter_mut().enumerate() {
+                *d = match (x.get(j), y.get(j)) {
+                    (Some(a), Some(b)) => u32::from(a.to_bits()) | u32::from(b.to_bits()) << 16,
+                    _ => 0,
+                };
+            }
         }
     }
 }
@@ -452,7 +581,7 @@ fn pack_a_rows(a: &HalfRef<'_>, (m, k, k2): (usize, usize, usize), i0: usize, ou
 /// and `k`).
 fn pack_b_panel(b: &HalfRef<'_>, (k, n): (usize, usize), j0: usize, out: &mut [u32]) {
     let cols = BLOCK.min(n - j0);
-    if cols < BLOCK || k % KSTEP != 0 || b.rs != 1 {
+    if cols < BLOCK || !k.is_multiple_of(KSTEP) || b.rs != 1 {
         // Slots the loops below leave alone.
         out.fill(0);
     }
@@ -497,12 +626,15 @@ struct Job {
 }
 
 impl Job {
-    /// Block (ib, q) of the output from 32 rows of `a` and panel `q` of `b`.
+    /// Block (ib, q) of the output from 32 rows of `a` and panel `q` of `b`,
+    /// over `steps` steps of 32 along `k`, added to the output when
+    /// `accumulate`.
     ///
     /// # Safety
     /// The tile configuration is loaded on this thread ([`with_tiles`]);
-    /// `a` points at 32 rows of `k2` bf16 with row stride `lda` bytes and
-    /// `b` at a packed panel ([`PackedB::panel`]), both readable; the
+    /// `a` points at 32 rows of `32 * steps` bf16 with row stride `lda`
+    /// bytes and `b` at `steps` packed steps of a panel (`b.1` bytes
+    /// apart), both readable; the
     /// output was checked to hold the `m x n` product in distinct slots,
     /// and no other thread writes block (ib, q).
     unsafe fn block(
@@ -510,33 +642,45 @@ impl Job {
         (ib, q): (usize, usize),
         (a, lda): (*const u8, usize),
         b: (*const u8, usize),
+        (steps, accumulate): (usize, bool),
     ) {
-        let (m, n, k2) = self.dims;
+        let (m, n, _) = self.dims;
         let (i0, j0) = (ib * BLOCK, q * BLOCK);
         let (rows, cols) = (BLOCK.min(m - i0), BLOCK.min(n - j0));
         let OutLayout { off, rs, cs } = self.out;
         let c = self.c.get();
         if rows == BLOCK && cols == BLOCK && cs == 1 {
             let dst = c.add(off + i0 * rs + j0).cast::<u8>();
-            tile_block(k2 / KSTEP, (a, lda), b, (dst, 4 * rs), self.accumulate);
+            tile_block(steps, (a, lda), b, (dst, 4 * rs), accumulate);
             return;
         }
+        // An edge block goes through a whole tile in `t`; when adding, it
+        // starts from the output's values (not zeros added after), so the
+        // sums run in the same order as for a whole block.
         let mut t = [0f32; BLOCK * BLOCK];
+        let slot = |r: usize, j: usize| c.add(off + (i0 + r) * rs + (j0 + j) * cs);
+        // Walk the output's contiguous direction innermost.
+        let (outer, inner) = if cs == 1 { (rows, cols) } else { (cols, rows) };
+        let at = |u: usize, v: usize| if cs == 1 { (u, v) } else { (v, u) };
+        if accumulate {
+            for u in 0..outer {
+                for v in 0..inner {
+                    let (r, j) = at(u, v);
+                    t[r * BLOCK + j] = *slot(r, j);
+                }
+            }
+        }
         tile_block(
-            k2 / KSTEP,
+            steps,
             (a, lda),
             b,
             (t.as_mut_ptr().cast(), 4 * BLOCK),
-            false,
+            accumulate,
         );
-        // Walk the output's contiguous direction innermost.
-        let (outer, inner) = if cs == 1 { (rows, cols) } else { (cols, rows) };
         for u in 0..outer {
             for v in 0..inner {
-                let (r, j) = if cs == 1 { (u, v) } else { (v, u) };
-                let slot = &mut *c.add(off + (i0 + r) * rs + (j0 + j) * cs);
-                let x = t[r * BLOCK + j];
-                *slot = if self.accumulate { *slot + x } else { x };
+                let (r, j) = at(u, v);
+                *slot(r, j) = t[r * BLOCK + j];
             }
         }
     }
@@ -737,25 +881,28 @@ mod tests {
             eprintln!("skipped: no AMX on this CPU or OS");
             return;
         }
-        let (m, n, k) = (96, 200, 320);
-        let (x, y) = (values(m * k, 3), values(k * n, 4));
-        let run = |threads| {
-            par::with_threads(threads, || {
-                let mut c = vec![0f32; m * n];
-                let out = OutLayout {
-                    off: 0,
-                    rs: n,
-                    cs: 1,
-                };
-                let (a, b) = (
-                    HalfRef::new(Values::F32(&x), 0, (k, 1)),
-                    HalfRef::new(Values::F32(&y), 0, (n, 1)),
-                );
-                gemm((m, n, k), a, b, &mut c, out, false);
-                c
-            })
-        };
-        assert_eq!(run(1), run(2));
+        // Row-split, and column-split with `b` streamed (blocks of `k` that
+        // differ with the thread count), adding to ragged output blocks.
+        for (m, n, k) in [(96, 200, 320), (40, 2050, 600)] {
+            let (x, y) = (values(m * k, 3), values(k * n, 4));
+            let run = |threads| {
+                par::with_threads(threads, || {
+                    let mut c = values(m * n, 5);
+                    let out = OutLayout {
+                        off: 0,
+                        rs: n,
+                        cs: 1,
+                    };
+                    let (a, b) = (
+                        HalfRef::new(Values::F32(&x), 0, (k, 1)),
+                        HalfRef::new(Values::F32(&y), 0, (n, 1)),
+                    );
+                    gemm((m, n, k), a, b, &mut c, out, true);
+                    c
+                })
+            };
+            assert!(run(1) == run(2), "{m} {n} {k}");
+        }
     }
 
     #[test]
