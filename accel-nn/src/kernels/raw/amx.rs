@@ -55,7 +55,11 @@ fn detect() -> bool {
     }
     let edx = __cpuid_count(7, 0).edx;
     let (amx_bf16, amx_tile) = (edx >> 22 & 1 == 1, edx >> 24 & 1 == 1);
-    if !(amx_bf16 && amx_tile) {
+    // The packing and transposes around the tiles use AVX-512 (every CPU
+    // with AMX has it).
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw");
+    if !(amx_bf16 && amx_tile && avx512) {
         return false;
     }
     // SAFETY: `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)` takes two
@@ -475,21 +479,13 @@ fn pack_b_step(b: &HalfRef<'_>, (k, n): (usize, usize), (k0, q0): (usize, usize)
 fn interleave(r0: &[bf16], r1: &[bf16], p: usize, out: &mut [u32]) {
     assert!(r0.len() == r1.len() && r0.len() <= out.len() / STEP_U32 * BLOCK);
     #[cfg(target_arch = "x86_64")]
-    if avx512bw() {
-        // SAFETY: the CPU has AVX-512F and BW (checked); the function is
-        // safe code compiled for them.
-        return unsafe { interleave_avx512(r0, r1, p, out) };
+    // SAFETY: only the AMX gemm packs, and `available()` checked AVX-512F
+    // and BW; the function is safe code compiled for them.
+    unsafe {
+        interleave_avx512(r0, r1, p, out)
     }
+    #[cfg(not(target_arch = "x86_64"))]
     interleave_any(r0, r1, p, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-fn avx512bw() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -654,33 +650,147 @@ impl Job {
             tile_block(steps, (a, lda), b, (dst, 4 * rs), accumulate);
             return;
         }
-        // An edge block goes through a whole tile in `t`; when adding, it
-        // starts from the output's values (not zeros added after), so the
-        // sums run in the same order as for a whole block.
+        // An edge block, or one of a column-major output, goes through a
+        // whole tile in `t`; when adding, it starts from the output's values
+        // (not zeros added after), so the sums run in the same order as for
+        // a whole block.
         let mut t = [0f32; BLOCK * BLOCK];
-        let slot = |r: usize, j: usize| c.add(off + (i0 + r) * rs + (j0 + j) * cs);
-        // Walk the output's contiguous direction innermost.
-        let (outer, inner) = if cs == 1 { (rows, cols) } else { (cols, rows) };
-        let at = |u: usize, v: usize| if cs == 1 { (u, v) } else { (v, u) };
+        let tp = t.as_mut_ptr();
+        let corner = c.add(off + i0 * rs + j0 * cs);
+        if cs != 1 {
+            // Column-major (`y^T = w x^T` written as `y`): 16 x 16 AVX-512
+            // transposes; element by element this was a sixth of the
+            // forward's products.
+            if accumulate {
+                for_quarters((rows, cols), |(r0, j0), (h, w)| {
+                    transpose16(
+                        corner.add(r0 + j0 * cs),
+                        cs,
+                        tp.add(r0 * BLOCK + j0),
+                        BLOCK,
+                        (w, h),
+                    )
+                });
+            }
+            tile_block(steps, (a, lda), b, (tp.cast(), 4 * BLOCK), accumulate);
+            for_quarters((rows, cols), |(r0, j0), (h, w)| {
+                transpose16(
+                    tp.add(r0 * BLOCK + j0),
+                    BLOCK,
+                    corner.add(r0 + j0 * cs),
+                    cs,
+                    (h, w),
+                )
+            });
+            return;
+        }
+        let slot = |r: usize, j: usize| corner.add(r * rs + j);
         if accumulate {
-            for u in 0..outer {
-                for v in 0..inner {
-                    let (r, j) = at(u, v);
+            for r in 0..rows {
+                for j in 0..cols {
                     t[r * BLOCK + j] = *slot(r, j);
                 }
             }
         }
-        tile_block(
-            steps,
-            (a, lda),
-            b,
-            (t.as_mut_ptr().cast(), 4 * BLOCK),
-            accumulate,
-        );
-        for u in 0..outer {
-            for v in 0..inner {
-                let (r, j) = at(u, v);
+        tile_block(steps, (a, lda), b, (tp.cast(), 4 * BLOCK), accumulate);
+        for r in 0..rows {
+            for j in 0..cols {
                 *slot(r, j) = t[r * BLOCK + j];
+            }
+        }
+    }
+}
+
+/// `f((r0, j0), (rows, cols))` for the four 16 x 16 quarters of a 32 x 32
+/// block that hold some of its first `rows x cols` elements.
+fn for_quarters((rows, cols): (usize, usize), mut f: impl FnMut((usize, usize), (usize, usize))) {
+    for r0 in (0..rows).step_by(16) {
+        for j0 in (0..cols).step_by(16) {
+            f((r0, j0), (16.min(rows - r0), 16.min(cols - j0)))
+        }
+    }
+}
+
+/// Writes the transpose of the `rows x cols` matrix at `src` (row stride
+/// `ss` floats) to `dst` (row stride `ds`): `dst[j][i] = src[i][j]`, for
+/// `rows, cols <= 16`.
+///
+/// # Safety
+/// `src` readable and `dst` writable at those elements; AVX-512F present
+/// (every CPU with AMX has it).
+unsafe fn transpose16(
+    src: *const f32,
+    ss: usize,
+    dst: *mut f32,
+    ds: usize,
+    (rows, cols): (usize, usize),
+) {
+    #[cfg(target_arch = "x86_64")]
+    transpose16_avx512(src, ss, dst, ds, (rows, cols));
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16_avx512(
+    src: *const f32,
+    ss: usize,
+    dst: *mut f32,
+    ds: usize,
+    (rows, cols): (usize, usize),
+) {
+    use core::arch::x86_64::*;
+    let lanes = |n: usize| {
+        if n >= 16 {
+            0xffff
+        } else {
+            (1u32 << n) as u16 - 1
+        }
+    };
+    let (load, store) = (lanes(cols), lanes(rows));
+    let mut r = [_mm512_setzero_ps(); 16];
+    for (i, v) in r.iter_mut().enumerate().take(rows) {
+        *v = _mm512_maskz_loadu_ps(load, src.add(i * ss));
+    }
+    // Pairs of rows interleaved (32-bit), then pairs of pairs (64-bit):
+    // each 128-bit lane of b[4g + c] then holds column `4 lane + c` of rows
+    // 4g..4g + 4.
+    let mut a = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    let mut b = [_mm512_setzero_pd(); 16];
+    for g in 0..4 {
+        let pd = |v: __m512| _mm512_castps_pd(v);
+        let (x0, x1, y0, y1) = (
+            pd(a[4 * g]),
+            pd(a[4 * g + 1]),
+            pd(a[4 * g + 2]),
+            pd(a[4 * g + 3]),
+        );
+        b[4 * g] = _mm512_unpacklo_pd(x0, y0);
+        b[4 * g + 1] = _mm512_unpackhi_pd(x0, y0);
+        b[4 * g + 2] = _mm512_unpacklo_pd(x1, y1);
+        b[4 * g + 3] = _mm512_unpackhi_pd(x1, y1);
+    }
+    // Lanes gathered across the four groups: output row `4 lane + c`.
+    for c in 0..4 {
+        let ps = |v: __m512d| _mm512_castpd_ps(v);
+        let (b0, b1, b2, b3) = (ps(b[c]), ps(b[4 + c]), ps(b[8 + c]), ps(b[12 + c]));
+        let e0 = _mm512_shuffle_f32x4::<0x44>(b0, b1);
+        let e1 = _mm512_shuffle_f32x4::<0xee>(b0, b1);
+        let f0 = _mm512_shuffle_f32x4::<0x44>(b2, b3);
+        let f1 = _mm512_shuffle_f32x4::<0xee>(b2, b3);
+        let out = [
+            _mm512_shuffle_f32x4::<0x88>(e0, f0),
+            _mm512_shuffle_f32x4::<0xdd>(e0, f0),
+            _mm512_shuffle_f32x4::<0x88>(e1, f1),
+            _mm512_shuffle_f32x4::<0xdd>(e1, f1),
+        ];
+        for (lane, v) in out.into_iter().enumerate() {
+            let j = 4 * lane + c;
+            if j < cols {
+                _mm512_mask_storeu_ps(dst.add(j * ds), store, v);
             }
         }
     }
