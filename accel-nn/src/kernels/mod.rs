@@ -85,15 +85,14 @@ fn to_bf16(x: f32) -> bf16 {
     bf16::from_bits(raw::amx::bf16_bits(x))
 }
 
-/// f32 values as halves, converted in parallel chunks.
-fn narrow<T: Copy + Send>(v: &[f32], zero: T, f: impl Fn(f32) -> T + Sync) -> Vec<T> {
-    let mut out = vec![zero; v.len()];
-    raw::par::chunks_mut(&mut out, CHUNK, |i, out| {
+/// f32 values as halves, converted in parallel chunks (each written once:
+/// no serial zero fill first).
+fn narrow<T: Copy + Default + Send>(v: &[f32], f: impl Fn(f32) -> T + Sync) -> Vec<T> {
+    raw::par::new_vec(v.len(), CHUNK, |i, out| {
         for (o, &x) in out.iter_mut().zip(&v[i * CHUNK..]) {
             *o = f(x)
         }
-    });
-    out
+    })
 }
 
 /// The contiguous contents of a bf16 CPU storage, borrowed (`None` for
@@ -164,8 +163,8 @@ fn strided_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<(Cow<'a, [f32]>, usi
 fn from_f32(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(v),
-        DType::F16 => CpuStorage::F16(narrow(&v, f16::ZERO, f16::from_f32)),
-        DType::BF16 => CpuStorage::BF16(narrow(&v, bf16::ZERO, to_bf16)),
+        DType::F16 => CpuStorage::F16(narrow(&v, f16::from_f32)),
+        DType::BF16 => CpuStorage::BF16(narrow(&v, to_bf16)),
         other => bail!("fused kernels support f32, f16 and bf16, got {other:?}"),
     })
 }
@@ -199,8 +198,8 @@ fn with_strided_f32<R>(
 /// f32 results as a CPU tensor of `dtype`.
 fn tensor_from_f32(v: Vec<f32>, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
     match dtype {
-        DType::BF16 => Tensor::from_vec(narrow(&v, bf16::ZERO, to_bf16), shape, &Device::Cpu),
-        DType::F16 => Tensor::from_vec(narrow(&v, f16::ZERO, f16::from_f32), shape, &Device::Cpu),
+        DType::BF16 => Tensor::from_vec(narrow(&v, to_bf16), shape, &Device::Cpu),
+        DType::F16 => Tensor::from_vec(narrow(&v, f16::from_f32), shape, &Device::Cpu),
         _ => Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype),
     }
 }

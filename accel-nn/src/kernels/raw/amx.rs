@@ -796,6 +796,20 @@ unsafe fn transpose16_avx512(
     }
 }
 
+/// How many steps of `k` ahead [`tile_block`] fetches its operands.
+const PREFETCH_STEPS: usize = 2;
+
+/// Hints the cache line at `p` into L1: a hint, never a read the program
+/// sees, and never a fault, whatever the address.
+#[inline(always)]
+fn prefetch_l1(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `prefetcht0` dereferences nothing and cannot fault.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p.cast())
+    }
+}
+
 /// The tile configuration: palette 1, eight tiles of 16 rows x 64 bytes.
 #[repr(C, align(64))]
 struct TileConfig([u8; 64]);
@@ -862,6 +876,19 @@ unsafe fn tile_block(
         );
     }
     for i in 0..chunks {
+        // The rows of the tiles two steps on, into L1. Tile registers are
+        // not renamed, so a load waits for the last instruction reading its
+        // tile, and loads from L2 then stall the products: 690 against 980
+        // GFLOP/s on one core with the operands in L2. (Past the end of the
+        // operands these hint at addresses never read: harmless.)
+        let ahead = i + PREFETCH_STEPS;
+        for r in 0..16 {
+            prefetch_l1(a.wrapping_add(64 * ahead + r * lda));
+            prefetch_l1(a1.wrapping_add(64 * ahead + r * lda));
+            let row = b.wrapping_add(b_step * ahead + r * PANEL_ROW_BYTES);
+            prefetch_l1(row);
+            prefetch_l1(row.wrapping_add(64));
+        }
         asm!(
             "tileloadd tmm4, [{a0} + {sa}*1]",
             "tileloadd tmm6, [{b} + {sb}*1]",
