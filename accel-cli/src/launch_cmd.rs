@@ -64,6 +64,14 @@ pub struct LaunchArgs {
     /// Do not prefix output lines with the rank.
     #[arg(long)]
     pub no_prefix: bool,
+    /// Times the whole group is started again after a rank fails (each
+    /// start sees `TORCHELASTIC_RESTART_COUNT`); 0 fails fast [default: 0].
+    /// Single-machine jobs only.
+    #[arg(long = "max_restarts", visible_alias = "max-restarts")]
+    pub max_restarts: Option<usize>,
+    /// Seconds between the launcher's checks of its ranks [default: 0.1].
+    #[arg(long = "monitor_interval", visible_alias = "monitor-interval")]
+    pub monitor_interval: Option<f64>,
     /// The program to run, then its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<OsString>,
@@ -235,10 +243,22 @@ impl CpuThreads {
 pub fn launch(args: &LaunchArgs) -> Result<()> {
     let file = args.load_config_file()?;
     let plan = launch::plan(&args.to_config(file.as_ref())?)?;
-    let options = RunOptions {
+    let mut options = RunOptions {
         prefix_output: !args.no_prefix,
         ..Default::default()
     };
+    if let Some(n) = args.max_restarts {
+        options.max_restarts = n;
+    }
+    if let Some(s) = args.monitor_interval {
+        if !(s.is_finite() && s > 0.0) {
+            return Err(Error::Config {
+                key: "monitor_interval".into(),
+                reason: format!("{s} is not a positive number of seconds"),
+            });
+        }
+        options.monitor_interval = Duration::from_secs_f64(s);
+    }
     launch::run(&plan, &options)?;
     Ok(())
 }

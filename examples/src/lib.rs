@@ -82,6 +82,7 @@ pub mod mnist_like;
 pub mod stock;
 
 pub mod text;
+pub mod train_gpt;
 
 pub use accel_core::rng::SplitMix64;
 pub use devices::device_named;

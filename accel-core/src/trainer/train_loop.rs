@@ -125,9 +125,13 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
         self.finish(started, first_step, run_loss, run_batches)
     }
 
-    /// Restores the checkpoint named by `resume_from_checkpoint`, if any.
+    /// Restores the checkpoint named by `resume_from_checkpoint`, if any;
+    /// without one, on a restart of the job (`accel launch --max_restarts`),
+    /// the newest checkpoint that loads
+    /// ([`Accelerator::load_state_on_restart`](crate::Accelerator::load_state_on_restart)).
     fn resume(&mut self) -> Result<()> {
         let Some(which) = self.args.resume_from_checkpoint.clone() else {
+            self.acc.load_state_on_restart()?;
             return Ok(());
         };
         let dir = if which == "latest" {

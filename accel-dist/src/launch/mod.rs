@@ -9,4 +9,4 @@ mod plan;
 mod spawn;
 
 pub use plan::{plan, LaunchConfig, LaunchPlan, RankProcess};
-pub use spawn::{run, RunOptions};
+pub use spawn::{run, RunOptions, ENV_MAX_RESTARTS, ENV_RESTART_COUNT};

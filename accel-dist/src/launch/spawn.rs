@@ -1,5 +1,6 @@
-//! Executing a [`LaunchPlan`]: children, prefixed output, and stopping the
-//! job as soon as one rank fails.
+//! Executing a [`LaunchPlan`]: children, prefixed output, stopping the job
+//! as soon as one rank fails, and restarting the whole group up to
+//! `max_restarts` times (torchrun's and Accelerate's `--max_restarts`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
@@ -25,6 +26,12 @@ pub struct RunOptions {
     pub prefix_output: bool,
     /// Time the other ranks get after SIGTERM before SIGKILL, once one failed.
     pub grace: Duration,
+    /// Times the whole group is started again after a rank failed (0: fail
+    /// fast). Each start sees `TORCHELASTIC_RESTART_COUNT`.
+    pub max_restarts: usize,
+    /// How often the launcher checks its ranks (torchrun's
+    /// `--monitor-interval`).
+    pub monitor_interval: Duration,
 }
 
 impl Default for RunOptions {
@@ -32,9 +39,16 @@ impl Default for RunOptions {
         Self {
             prefix_output: true,
             grace: Duration::from_secs(5),
+            max_restarts: 0,
+            monitor_interval: Duration::from_millis(100),
         }
     }
 }
+
+/// The restart number of this start, as torchrun sets it for every rank.
+pub const ENV_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
+/// The restarts the launcher allows, as torchrun sets it.
+pub const ENV_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
 
 /// Copies a child's stream line by line, prefixed, into ours; lines of one
 /// rank never interleave mid-line with another's.
@@ -73,15 +87,54 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
+/// Ranks lead their own process groups, so a Ctrl-C or SIGTERM aimed at the
+/// launcher must be passed on; only the first launch in a process can
+/// install the handler, later ones rely on it.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
 /// Starts every process of `plan` and waits for all of them. When one exits
-/// unsuccessfully, the others get SIGTERM, then SIGKILL after `grace`, and
-/// the error names the rank that failed first.
+/// unsuccessfully, the others get SIGTERM, then SIGKILL after `grace`; then
+/// the group starts again, up to `max_restarts` times, each time with a
+/// fresh rendezvous (the launcher's store is bound anew). The error names
+/// the rank that failed first in the last start.
+///
+/// # Errors
+/// [`Error::RankFailed`] once the restarts are spent, [`Error::Interrupted`]
+/// on Ctrl-C or SIGTERM (never followed by a restart), [`Error::Env`] when
+/// restarts are asked of a job spanning machines (the group restart needs
+/// the launchers of all machines to agree, which is not built yet).
 pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
-    // Ranks lead their own process groups, so a Ctrl-C or SIGTERM aimed at
-    // the launcher must be passed on; only the first launch in a process can
-    // install the handler, later ones rely on it.
-    static INTERRUPTED: AtomicBool = AtomicBool::new(false);
     let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
+    if options.max_restarts > 0 && !plan.agent_store {
+        return Err(Error::Env {
+            var: "max_restarts",
+            value: options.max_restarts.to_string(),
+            reason: "restarts need a single-machine job whose launcher hosts the rendezvous \
+                     (no --main_process_port); a group spanning machines fails fast"
+                .into(),
+        });
+    }
+    let mut restart = 0;
+    loop {
+        match run_once(plan, options, restart) {
+            Err(Error::RankFailed { rank, status, .. })
+                if restart < options.max_restarts && !INTERRUPTED.load(Ordering::SeqCst) =>
+            {
+                restart += 1;
+                eprintln!(
+                    "accel launch: rank {rank} failed with {status}; stopped the other ranks; \
+                     restart {restart} of {}",
+                    options.max_restarts
+                );
+            }
+            other => return other,
+        }
+    }
+}
+
+/// One start of the group: [`run`] without restarts; `restart` is this
+/// start's number.
+fn run_once(plan: &LaunchPlan, options: &RunOptions, restart: usize) -> Result<()> {
     let stdout: Arc<Mutex<dyn Write + Send>> = Arc::new(Mutex::new(std::io::stdout()));
     let stderr: Arc<Mutex<dyn Write + Send>> = Arc::new(Mutex::new(std::io::stderr()));
     let mut children: Vec<(usize, Child)> = vec![];
@@ -94,6 +147,8 @@ pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
     for p in &plan.processes {
         let mut cmd = Command::new(&plan.program);
         cmd.args(&plan.args).envs(p.env.iter().map(|(k, v)| (k, v)));
+        cmd.env(ENV_RESTART_COUNT, restart.to_string())
+            .env(ENV_MAX_RESTARTS, options.max_restarts.to_string());
         if let Some(s) = &store {
             cmd.env(ENV_MASTER_PORT, s.local_addr().port().to_string());
         }
@@ -148,7 +203,7 @@ pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
             running.clear();
             break;
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(options.monitor_interval);
     }
     for p in pumps {
         let _ = p.join();
@@ -229,5 +284,76 @@ mod tests {
             ..Default::default()
         };
         run(&p, &options).unwrap();
+    }
+
+    /// A 2-rank plan of `bash -c script`, quiet, restarting up to `max`.
+    fn bash_job(script: &str, max: usize) -> (LaunchPlan, RunOptions) {
+        let mut c = LaunchConfig::local(2, "bash");
+        c.args = vec!["-c".into(), script.into()];
+        let options = RunOptions {
+            prefix_output: false,
+            max_restarts: max,
+            monitor_interval: Duration::from_millis(10),
+            grace: Duration::from_secs(2),
+        };
+        (plan(&c).unwrap(), options)
+    }
+
+    #[test]
+    fn a_failed_rank_restarts_the_whole_group_with_the_restart_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("starts");
+        // Rank 1 fails on the first start; every start of every rank is
+        // logged with the variables torchrun sets.
+        let script = format!(
+            "echo \"$RANK $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS\" >> {log}; \
+             test \"$RANK$TORCHELASTIC_RESTART_COUNT\" != 10",
+            log = log.display()
+        );
+        let (p, options) = bash_job(&script, 1);
+        run(&p, &options).unwrap();
+        let mut starts: Vec<String> = std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .map(String::from)
+            .collect();
+        starts.sort();
+        assert_eq!(starts, ["0 0 1", "0 1 1", "1 0 1", "1 1 1"]);
+    }
+
+    #[test]
+    fn restarts_stop_after_max_with_the_last_failure_and_zero_fails_fast() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("starts");
+        let script = format!(
+            "echo $TORCHELASTIC_RESTART_COUNT >> {log}; test $RANK = 0 || exit 3",
+            log = log.display()
+        );
+        for (max, starts) in [(0, 1), (2, 3)] {
+            let _ = std::fs::remove_file(&log);
+            let (p, options) = bash_job(&script, max);
+            let err = run(&p, &options).unwrap_err().to_string();
+            assert!(err.contains("rank 1 failed with exit status 3"), "{err}");
+            // Rank 1 starts once per start of the group (rank 0 too).
+            let lines = std::fs::read_to_string(&log).unwrap();
+            assert_eq!(lines.lines().count(), 2 * starts, "max {max}: {lines}");
+            assert!(lines.contains(&(starts - 1).to_string()));
+        }
+    }
+
+    #[test]
+    fn restarts_across_machines_are_refused_at_start() {
+        let mut c = LaunchConfig::local(2, "true");
+        c.num_machines = 2;
+        c.main_process_ip = Some("127.0.0.1".into());
+        c.main_process_port = Some(29555);
+        c.job_token = Some("t".into());
+        let p = plan(&c).unwrap();
+        let options = RunOptions {
+            max_restarts: 1,
+            ..Default::default()
+        };
+        let err = run(&p, &options).unwrap_err().to_string();
+        assert!(err.contains("max_restarts"), "{err}");
     }
 }

@@ -1,0 +1,108 @@
+//! `accel launch --max_restarts`: a rank killed mid-run restarts the whole
+//! group, the main job resumes from its newest checkpoint, and the run ends
+//! with the same weights, to the bit, as one that was never interrupted.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
+const GPT: &str = env!("CARGO_BIN_EXE_train_gpt_worker");
+
+/// `accel launch` of 2 ranks of the main job: 60 steps, a checkpoint every 10.
+fn launch(out: &Path, max_restarts: usize) -> Child {
+    Command::new(LAUNCH)
+        .args(["launch", "--num_processes", "2", "--cpu", "--max_restarts"])
+        .arg(max_restarts.to_string())
+        .arg(GPT)
+        .args([
+            "--steps",
+            "60",
+            "--checkpoint-every",
+            "10",
+            "--batch-size",
+            "8",
+            "--out",
+        ])
+        .arg(out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn finish(child: Child) -> Output {
+    let out = child.wait_with_output().unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    assert!(
+        out.status.success(),
+        "launch failed: {}\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    out
+}
+
+/// The pid of the child of `parent` whose environment has `RANK=rank`.
+fn rank_pid(parent: u32, rank: usize) -> Option<i32> {
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // The parent pid is the second field after the command's ")".
+        let after = &stat[stat.rfind(')').map_or(0, |i| i + 1)..];
+        let ppid: u32 = after.split_whitespace().nth(1)?.parse().ok()?;
+        if ppid != parent {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let want = format!("RANK={rank}");
+        if env.split(|&b| b == 0).any(|v| v == want.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+fn model(out: &Path) -> Vec<u8> {
+    let path: PathBuf = out.join("model").join("model.safetensors");
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+#[test]
+fn a_rank_killed_mid_run_restarts_the_group_and_the_weights_match_an_uninterrupted_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (calm, hit) = (dir.path().join("calm"), dir.path().join("hit"));
+    finish(launch(&calm, 0));
+
+    let child = launch(&hit, 1);
+    // Past the checkpoint of step 30, rank 1 is killed (near step 35).
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let third = hit.join("checkpoints").join("checkpoint_2");
+    while !third.is_dir() {
+        assert!(Instant::now() < deadline, "no checkpoint of step 30");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
+    let killed = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = finish(child);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        log.contains("rank 1 failed with signal 9") && log.contains("restart 1 of 1"),
+        "{log}"
+    );
+    let resumed = String::from_utf8_lossy(&out.stdout);
+    assert!(resumed.contains("restart 1: resumed from"), "{resumed}");
+    assert!(
+        model(&calm) == model(&hit),
+        "the restarted run's weights differ"
+    );
+}
