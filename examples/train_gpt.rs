@@ -7,9 +7,9 @@
 //! cargo run --release --example train_gpt -- --steps 100 --mixed-precision bf16 --out runs/gpt
 //! ```
 
-use accel_examples::train_gpt::{run, Args};
+use accel_examples::train_gpt::{main_with, Args};
 use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
-    run(&Args::parse())
+    main_with(&Args::parse())
 }

@@ -72,6 +72,11 @@ pub struct LaunchArgs {
     /// Seconds between the launcher's checks of its ranks [default: 0.1].
     #[arg(long = "monitor_interval", visible_alias = "monitor-interval")]
     pub monitor_interval: Option<f64>,
+    /// Seconds the ranks get to save and exit after a SIGTERM or Ctrl-C to
+    /// the launcher (passed on to them as SIGTERM) before they are killed; a
+    /// second signal kills at once [default: 30].
+    #[arg(long = "term_timeout", visible_alias = "term-timeout")]
+    pub term_timeout: Option<f64>,
     /// The program to run, then its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<OsString>,
@@ -258,6 +263,15 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
             });
         }
         options.monitor_interval = Duration::from_secs_f64(s);
+    }
+    if let Some(s) = args.term_timeout {
+        if !(s.is_finite() && s >= 0.0) {
+            return Err(Error::Config {
+                key: "term_timeout".into(),
+                reason: format!("{s} is not a number of seconds"),
+            });
+        }
+        options.term_timeout = Duration::from_secs_f64(s);
     }
     launch::run(&plan, &options)?;
     Ok(())

@@ -37,6 +37,7 @@ pub mod malloc;
 pub mod process;
 mod reduce;
 pub mod rendezvous;
+pub mod signals;
 mod tensor;
 
 pub use backend::tcp::{Algorithm, Collective, TcpCommunicator, TcpConfig, Transport};

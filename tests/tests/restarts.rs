@@ -1,6 +1,8 @@
-//! `accel launch --max_restarts`: a rank killed mid-run restarts the whole
-//! group, the main job resumes from its newest checkpoint, and the run ends
-//! with the same weights, to the bit, as one that was never interrupted.
+//! Faults survived: under `accel launch --max_restarts` a rank killed mid-run
+//! restarts the whole group, the main job resumes from its newest
+//! checkpoint, and the run ends with the same weights, to the bit, as one
+//! that was never interrupted; a SIGTERM to the launcher makes every rank
+//! save at its next step and exit, and `--resume` then ends the same way.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -9,26 +11,32 @@ use std::time::{Duration, Instant};
 const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
 const GPT: &str = env!("CARGO_BIN_EXE_train_gpt_worker");
 
-/// `accel launch` of 2 ranks of the main job: 60 steps, a checkpoint every 10.
-fn launch(out: &Path, max_restarts: usize) -> Child {
+/// `accel launch` of 2 ranks of the main job: 60 steps, a checkpoint every
+/// `every`, then `extra` arguments.
+fn launch(out: &Path, max_restarts: usize, every: u64, extra: &[&str]) -> Child {
     Command::new(LAUNCH)
         .args(["launch", "--num_processes", "2", "--cpu", "--max_restarts"])
         .arg(max_restarts.to_string())
         .arg(GPT)
-        .args([
-            "--steps",
-            "60",
-            "--checkpoint-every",
-            "10",
-            "--batch-size",
-            "8",
-            "--out",
-        ])
+        .args(["--steps", "60", "--batch-size", "8", "--checkpoint-every"])
+        .arg(every.to_string())
+        .args(extra)
+        .arg("--out")
         .arg(out)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
+}
+
+/// Waits until checkpoint `n` of the run in `out` exists.
+fn wait_for_checkpoint(out: &Path, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let dir = out.join("checkpoints").join(format!("checkpoint_{n}"));
+    while !dir.is_dir() {
+        assert!(Instant::now() < deadline, "no {}", dir.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
 }
 
 fn finish(child: Child) -> Output {
@@ -76,16 +84,11 @@ fn model(out: &Path) -> Vec<u8> {
 fn a_rank_killed_mid_run_restarts_the_group_and_the_weights_match_an_uninterrupted_run() {
     let dir = tempfile::tempdir().unwrap();
     let (calm, hit) = (dir.path().join("calm"), dir.path().join("hit"));
-    finish(launch(&calm, 0));
+    finish(launch(&calm, 0, 10, &[]));
 
-    let child = launch(&hit, 1);
+    let child = launch(&hit, 1, 10, &[]);
     // Past the checkpoint of step 30, rank 1 is killed (near step 35).
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let third = hit.join("checkpoints").join("checkpoint_2");
-    while !third.is_dir() {
-        assert!(Instant::now() < deadline, "no checkpoint of step 30");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_for_checkpoint(&hit, 2);
     std::thread::sleep(Duration::from_millis(200));
     let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
     let killed = Command::new("kill")
@@ -104,5 +107,47 @@ fn a_rank_killed_mid_run_restarts_the_group_and_the_weights_match_an_uninterrupt
     assert!(
         model(&calm) == model(&hit),
         "the restarted run's weights differ"
+    );
+}
+
+#[test]
+fn sigterm_to_the_launcher_saves_the_step_on_every_rank_and_resume_ends_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let (calm, hit) = (dir.path().join("calm"), dir.path().join("hit"));
+    finish(launch(&calm, 0, 0, &[]));
+
+    // A checkpoint at step 25, then SIGTERM to the launcher a few steps on.
+    let child = launch(&hit, 0, 25, &[]);
+    wait_for_checkpoint(&hit, 0);
+    std::thread::sleep(Duration::from_millis(150));
+    let sent = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = child.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "an interrupted launch reports it: {log}"
+    );
+    assert!(log.contains("passing SIGTERM to every rank"), "{log}");
+    // Every rank saved and left by itself (not killed after the timeout),
+    // at the same step, into the preemption checkpoint past step 25's.
+    for rank in 0..2 {
+        let said = format!("[rank{rank}]: stopped by a termination signal after step");
+        assert!(log.contains(&said), "{log}");
+    }
+    assert!(
+        hit.join("checkpoints").join("checkpoint_1").is_dir(),
+        "{log}"
+    );
+
+    let out = finish(launch(&hit, 0, 25, &["--resume"]));
+    let resumed = String::from_utf8_lossy(&out.stdout);
+    assert!(resumed.contains("resumed from"), "{resumed}");
+    assert!(
+        model(&calm) == model(&hit),
+        "the resumed run's weights differ"
     );
 }

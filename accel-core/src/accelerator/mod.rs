@@ -10,6 +10,7 @@ mod config;
 mod graph;
 mod lora;
 mod ops;
+mod preemption;
 mod seeding;
 mod sharded;
 mod step;
@@ -81,6 +82,8 @@ pub struct Accelerator {
     loaders: Vec<Arc<Mutex<LoaderPosition>>>,
     custom: Vec<SharedCheckpointable>,
     trackers: Trackers,
+    /// Termination signals are observed (`should_stop` was called).
+    watching_signals: bool,
     /// `backward` calls so far (the no-gradient report gives up waiting on a
     /// model no backward reaches after a few).
     backwards: u64,
@@ -177,6 +180,7 @@ impl Accelerator {
             loaders: vec![],
             custom: vec![],
             trackers: Trackers::default(),
+            watching_signals: false,
             backwards: 0,
             config,
         })

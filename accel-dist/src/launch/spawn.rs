@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,6 +32,10 @@ pub struct RunOptions {
     /// How often the launcher checks its ranks (torchrun's
     /// `--monitor-interval`).
     pub monitor_interval: Duration,
+    /// On SIGTERM or Ctrl-C to the launcher, how long the ranks (sent
+    /// SIGTERM) get to save and exit before SIGKILL; a second signal kills
+    /// at once.
+    pub term_timeout: Duration,
 }
 
 impl Default for RunOptions {
@@ -41,6 +45,7 @@ impl Default for RunOptions {
             grace: Duration::from_secs(5),
             max_restarts: 0,
             monitor_interval: Duration::from_millis(100),
+            term_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -87,10 +92,15 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-/// Ranks lead their own process groups, so a Ctrl-C or SIGTERM aimed at the
-/// launcher must be passed on; only the first launch in a process can
-/// install the handler, later ones rely on it.
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// Termination signals the launcher received. Ranks lead their own process
+/// groups, so a Ctrl-C or SIGTERM aimed at the launcher must be passed on;
+/// only the first launch in a process can install the handler, later ones
+/// rely on it.
+static SIGNALS: AtomicUsize = AtomicUsize::new(0);
+
+fn interrupted() -> bool {
+    SIGNALS.load(Ordering::SeqCst) > 0
+}
 
 /// Starts every process of `plan` and waits for all of them. When one exits
 /// unsuccessfully, the others get SIGTERM, then SIGKILL after `grace`; then
@@ -104,7 +114,9 @@ static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 /// restarts are asked of a job spanning machines (the group restart needs
 /// the launchers of all machines to agree, which is not built yet).
 pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
-    let _ = ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst));
+    let _ = ctrlc::set_handler(|| {
+        SIGNALS.fetch_add(1, Ordering::SeqCst);
+    });
     if options.max_restarts > 0 && !plan.agent_store {
         return Err(Error::Env {
             var: "max_restarts",
@@ -118,7 +130,7 @@ pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
     loop {
         match run_once(plan, options, restart) {
             Err(Error::RankFailed { rank, status, .. })
-                if restart < options.max_restarts && !INTERRUPTED.load(Ordering::SeqCst) =>
+                if restart < options.max_restarts && !interrupted() =>
             {
                 restart += 1;
                 eprintln!(
@@ -197,8 +209,14 @@ fn run_once(plan: &LaunchPlan, options: &RunOptions, restart: usize) -> Result<(
             }
         }
         running = still;
-        let interrupted = INTERRUPTED.load(Ordering::SeqCst);
-        if (failure.is_some() || interrupted) && !running.is_empty() {
+        if interrupted() && !running.is_empty() {
+            // Passed on as SIGTERM: the ranks save at their next step
+            // boundary (`Accelerator::should_stop`) and exit.
+            stop_on_signal(&mut running, options.term_timeout);
+            running.clear();
+            break;
+        }
+        if failure.is_some() && !running.is_empty() {
             stop(&mut running, options.grace);
             running.clear();
             break;
@@ -208,7 +226,7 @@ fn run_once(plan: &LaunchPlan, options: &RunOptions, restart: usize) -> Result<(
     for p in pumps {
         let _ = p.join();
     }
-    if INTERRUPTED.load(Ordering::SeqCst) && failure.is_none() {
+    if interrupted() && failure.is_none() {
         return Err(Error::Interrupted {
             world: plan.processes.len(),
         });
@@ -235,8 +253,25 @@ fn agent_store(plan: &LaunchPlan) -> Result<StoreServer> {
     StoreServer::bind(SocketAddr::from(([127, 0, 0, 1], 0)), token)
 }
 
+/// SIGTERM to every child, then SIGKILL to those still alive after
+/// `timeout` or at a second signal to the launcher.
+fn stop_on_signal(children: &mut [(usize, Child)], timeout: Duration) {
+    eprintln!(
+        "accel launch: termination signal; passing SIGTERM to every rank ({} s to save and exit; \
+         a second signal kills)",
+        timeout.as_secs_f64()
+    );
+    terminate(children, timeout, || SIGNALS.load(Ordering::SeqCst) >= 2);
+}
+
 /// SIGTERM to every child, then SIGKILL to those still alive after `grace`.
 fn stop(children: &mut [(usize, Child)], grace: Duration) {
+    terminate(children, grace, || false);
+}
+
+/// SIGTERM to every child, then SIGKILL to those still alive after `grace`
+/// or once `now` says so.
+fn terminate(children: &mut [(usize, Child)], grace: Duration, now: impl Fn() -> bool) {
     // A negative pid addresses the child's whole process group.
     let group = |c: &Child| Pid::from_raw(-(c.id() as i32));
     for (_, c) in children.iter() {
@@ -249,7 +284,7 @@ fn stop(children: &mut [(usize, Child)], grace: Duration) {
             .filter_map(|(_, c)| c.try_wait().ok())
             .filter(Option::is_none)
             .count();
-        if alive == 0 || Instant::now() >= deadline {
+        if alive == 0 || Instant::now() >= deadline || now() {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -295,6 +330,7 @@ mod tests {
             max_restarts: max,
             monitor_interval: Duration::from_millis(10),
             grace: Duration::from_secs(2),
+            ..Default::default()
         };
         (plan(&c).unwrap(), options)
     }

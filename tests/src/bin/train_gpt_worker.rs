@@ -2,9 +2,9 @@
 //! crate, so the integration tests can run it (`CARGO_BIN_EXE_train_gpt_worker`)
 //! without building the examples; same command line and output.
 
-use accel_examples::train_gpt::{run, Args};
+use accel_examples::train_gpt::{main_with, Args};
 use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
-    run(&Args::parse())
+    main_with(&Args::parse())
 }
