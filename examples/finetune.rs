@@ -310,6 +310,17 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    match run() {
+        // Saved and stopped on SIGTERM: exit as a process it killed would.
+        Err(e) if matches!(e.downcast_ref(), Some(accel_core::Error::Stopped { .. })) => {
+            eprintln!("{e}");
+            std::process::exit(accel_core::dist::signals::TERMINATED_STATUS)
+        }
+        other => other,
+    }
+}
+
+fn run() -> Result<()> {
     let cli = Args::parse();
     if let Some(dir) = cli.model.clone() {
         return finetune_hf(&cli, &dir);

@@ -129,6 +129,16 @@ pub enum Error {
     /// An API was used in an order or a way it does not support.
     #[error("{0}")]
     Usage(String),
+    /// Training stopped on a termination signal after saving a checkpoint
+    /// (see `Accelerator::should_stop`); a process should exit with
+    /// `accel_dist::signals::TERMINATED_STATUS`.
+    #[error("stopped by a termination signal after step {step}; saved {} (resume from it)", checkpoint.display())]
+    Stopped {
+        /// The last optimizer step taken.
+        step: u64,
+        /// The checkpoint written.
+        checkpoint: std::path::PathBuf,
+    },
     /// Trainable parameters received no gradient in the first backward at
     /// more than one rank (PyTorch DDP's unused-parameter error).
     #[error("rank {rank}: {report}")]

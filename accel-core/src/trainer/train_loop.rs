@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use super::{evaluate_on, IntervalStrategy, TrainModel, TrainOutput, Trainer};
 use crate::data::Dataset;
 use crate::trackers::LogValue;
-use crate::Result;
+use crate::{Error, Result};
 
 impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
     /// Trains until [`Trainer::num_training_steps`] optimizer steps, first
@@ -22,8 +22,13 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
     /// evaluates and saves as `eval_strategy` / `save_strategy` say. Steps in
     /// logs and checkpoints count optimizer steps, from 1.
     ///
+    /// On SIGTERM, SIGINT or SIGHUP (`accel launch` passes its own on) it
+    /// saves a checkpoint after the step it is at, on every rank, and
+    /// returns [`Error::Stopped`].
+    ///
     /// # Errors
-    /// Model, data, collective and checkpoint errors; a missing checkpoint to resume from.
+    /// Model, data, collective and checkpoint errors; a missing checkpoint to
+    /// resume from; [`Error::Stopped`] after a termination signal.
     pub fn train(&mut self) -> Result<TrainOutput> {
         self.resume()?;
         self.start_trackers()?;
@@ -107,6 +112,13 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
                     && step.is_multiple_of(args.save_steps)
                 {
                     acc.save_state(None)?;
+                }
+                if acc.should_stop()? {
+                    // Preempted: this step's state, then out (`resume` picks
+                    // it up, bitwise).
+                    let checkpoint = acc.save_state(None)?;
+                    bar.abandon();
+                    return Err(Error::Stopped { step, checkpoint });
                 }
                 if step >= total_steps {
                     done = true;
