@@ -1,5 +1,5 @@
 //! Matrix products of bf16 operands with f32 sums, on CPUs with AMX
-//! (`raw/amx.rs`) or AVX-512 BF16 (here): the linear layers' products under
+//! (`raw/amx/`) or AVX-512 BF16 (here): the linear layers' products under
 //! bf16 mixed precision. AMX, where present, takes every product.
 //!
 //! Why: a bf16 tensor was converted to f32 and multiplied by the f32 gemm,

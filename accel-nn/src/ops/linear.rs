@@ -11,7 +11,7 @@ use crate::kernels::{self, Act};
 ///
 /// On CPU this is one op (gemm with the bias fused in, activation and its
 /// backward in the same pass). In bf16 its products take the bf16 operands
-/// with f32 sums on CPUs with AMX tiles (`kernels/raw/amx.rs`, reading the
+/// with f32 sums on CPUs with AMX tiles (`kernels/raw/amx/`, reading the
 /// bf16 tensors as they lie) or AVX-512 BF16 (`kernels/gemm_bf16.rs`; twice
 /// the f32 rate), else they are computed in f32, since candle's CPU gemm has
 /// no bf16 kernel.

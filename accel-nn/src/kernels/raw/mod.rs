@@ -1,4 +1,4 @@
-//! The one audited module of `unsafe` in accel-nn (this file and `amx.rs`,
+//! The one audited module of `unsafe` in accel-nn (this file and `amx/`,
 //! the AMX tile kernel's inline assembly).
 //!
 //! Why it exists: the fused kernels call `gemm` with the strides their data
