@@ -14,9 +14,21 @@ const GPT: &str = env!("CARGO_BIN_EXE_train_gpt_worker");
 /// `accel launch` of 2 ranks of the main job: 60 steps, a checkpoint every
 /// `every`, then `extra` arguments.
 fn launch(out: &Path, max_restarts: usize, every: u64, extra: &[&str]) -> Child {
+    launch_with(&[], out, max_restarts, every, extra)
+}
+
+/// [`launch`] with more flags for the launcher.
+fn launch_with(
+    flags: &[&str],
+    out: &Path,
+    max_restarts: usize,
+    every: u64,
+    extra: &[&str],
+) -> Child {
     Command::new(LAUNCH)
         .args(["launch", "--num_processes", "2", "--cpu", "--max_restarts"])
         .arg(max_restarts.to_string())
+        .args(flags)
         .arg(GPT)
         .args(["--steps", "60", "--batch-size", "8", "--checkpoint-every"])
         .arg(every.to_string())
@@ -150,4 +162,36 @@ fn sigterm_to_the_launcher_saves_the_step_on_every_rank_and_resume_ends_bitwise(
         model(&calm) == model(&hit),
         "the resumed run's weights differ"
     );
+}
+
+#[test]
+fn a_stopped_rank_is_named_by_the_collective_timeout_and_the_group_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (calm, hit) = (dir.path().join("calm"), dir.path().join("hit"));
+    finish(launch(&calm, 0, 10, &[]));
+
+    // Collectives wait 5 s for a missing rank; rank 1 is frozen (SIGSTOP)
+    // past step 30 and never answers again.
+    let child = launch_with(&["--timeout", "5"], &hit, 1, 10, &[]);
+    wait_for_checkpoint(&hit, 2);
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
+    let frozen = Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(frozen.success());
+    let started = Instant::now();
+    let out = finish(child);
+    let log = String::from_utf8_lossy(&out.stderr);
+    // Rank 0 names the rank it waited for; the launcher counts rank 0's
+    // exit as the failure and restarts the group.
+    assert!(log.contains("rank 1 did not arrive within"), "{log}");
+    assert!(log.contains("restart 1 of 1"), "{log}");
+    assert!(
+        model(&calm) == model(&hit),
+        "the restarted run's weights differ"
+    );
+    // The timeout plus the grace before SIGKILL, plus the rest of the run.
+    assert!(started.elapsed() < Duration::from_secs(120), "{log}");
 }
