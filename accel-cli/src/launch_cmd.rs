@@ -248,14 +248,28 @@ impl CpuThreads {
 pub fn launch(args: &LaunchArgs) -> Result<()> {
     let file = args.load_config_file()?;
     let plan = launch::plan(&args.to_config(file.as_ref())?)?;
+    let options = run_options(args, file.as_ref())?;
+    launch::run(&plan, &options)?;
+    Ok(())
+}
+
+/// How the launcher runs the plan: the flags, then the config file's keys.
+///
+/// # Errors
+/// [`Error::Config`] for a monitor interval or term timeout that is not a
+/// usable number of seconds.
+fn run_options(args: &LaunchArgs, file: Option<&ClusterConfig>) -> Result<RunOptions> {
     let mut options = RunOptions {
         prefix_output: !args.no_prefix,
         ..Default::default()
     };
-    if let Some(n) = args.max_restarts {
+    if let Some(n) = args.max_restarts.or(file.and_then(|f| f.max_restarts)) {
         options.max_restarts = n;
     }
-    if let Some(s) = args.monitor_interval {
+    let monitor = args
+        .monitor_interval
+        .or(file.and_then(|f| f.monitor_interval));
+    if let Some(s) = monitor {
         if !(s.is_finite() && s > 0.0) {
             return Err(Error::Config {
                 key: "monitor_interval".into(),
@@ -273,8 +287,7 @@ pub fn launch(args: &LaunchArgs) -> Result<()> {
         }
         options.term_timeout = Duration::from_secs_f64(s);
     }
-    launch::run(&plan, &options)?;
-    Ok(())
+    Ok(options)
 }
 
 #[cfg(test)]
@@ -444,6 +457,34 @@ mod tests {
             plugin.map(|p| p.sharding_strategy),
             Some(accel_core::dist::fsdp::ShardingStrategy::FullShard)
         );
+        Ok(())
+    }
+
+    #[test]
+    fn restarts_come_from_the_flags_then_the_file() -> Result<()> {
+        let mut f = file();
+        f.max_restarts = Some(3);
+        f.monitor_interval = Some(0.5);
+        let o = run_options(&args(&[]), Some(&f))?;
+        assert_eq!(
+            (o.max_restarts, o.monitor_interval),
+            (3, Duration::from_millis(500))
+        );
+        let o = run_options(
+            &args(&["--max_restarts", "1", "--term_timeout", "2"]),
+            Some(&f),
+        )?;
+        assert_eq!(
+            (o.max_restarts, o.term_timeout),
+            (1, Duration::from_secs(2))
+        );
+        let o = run_options(&args(&[]), None)?;
+        assert_eq!(
+            (o.max_restarts, o.term_timeout),
+            (0, Duration::from_secs(30))
+        );
+        let bad = run_options(&args(&["--monitor_interval", "0"]), None).unwrap_err();
+        assert!(bad.to_string().contains("monitor_interval"), "{bad}");
         Ok(())
     }
 }

@@ -195,3 +195,51 @@ fn a_stopped_rank_is_named_by_the_collective_timeout_and_the_group_restarts() {
     // The timeout plus the grace before SIGKILL, plus the rest of the run.
     assert!(started.elapsed() < Duration::from_secs(120), "{log}");
 }
+
+#[test]
+fn a_rank_killed_during_a_save_restarts_from_the_last_complete_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (calm, hit) = (dir.path().join("calm"), dir.path().join("hit"));
+    finish(launch(&calm, 0, 10, &[]));
+
+    let child = launch(&hit, 1, 10, &[]);
+    // The save of step 30 in progress: its hidden temporary folder exists
+    // (`AtomicDir`); rank 1 is killed the moment it is seen.
+    wait_for_checkpoint(&hit, 1);
+    let ckpts = hit.join("checkpoints");
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let saving = || {
+        std::fs::read_dir(&ckpts)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(".checkpoint_2.tmp-")
+            })
+    };
+    while !saving() {
+        assert!(
+            Instant::now() < deadline,
+            "the save of step 30 was not seen"
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
+    let killed = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let out = finish(child);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains("restart 1 of 1"), "{log}");
+    // No partial checkpoint is ever listed, so the restart reads a whole one.
+    let resumed = String::from_utf8_lossy(&out.stdout);
+    assert!(resumed.contains("restart 1: resumed from"), "{resumed}");
+    assert!(
+        model(&calm) == model(&hit),
+        "the restarted run's weights differ"
+    );
+}

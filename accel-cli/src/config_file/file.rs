@@ -53,6 +53,8 @@ pub const KNOWN_KEYS: &[&str] = &[
     "same_network",
     "main_training_function",
     "enable_cpu_affinity",
+    "max_restarts",
+    "monitor_interval",
     "fsdp_config",
     "fp8_config",
     "deepspeed_config",
@@ -128,6 +130,14 @@ pub struct ClusterConfig {
     /// Pin each rank to the CPUs near its GPU; kept, not used.
     #[serde(default)]
     pub enable_cpu_affinity: bool,
+    /// Group restarts after a failed rank (`accel launch --max_restarts`;
+    /// not one of Accelerate's keys, read when present).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_restarts: Option<usize>,
+    /// Seconds between the launcher's checks of its ranks
+    /// (`--monitor_interval`; read when present).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub monitor_interval: Option<f64>,
     /// FSDP settings, exported as `FSDP_*` when `distributed_type` is `FSDP`.
     #[serde(default, skip_serializing_if = "skip_fsdp")]
     pub fsdp_config: Option<FsdpFileConfig>,
@@ -210,6 +220,8 @@ impl Default for ClusterConfig {
             same_network: None,
             main_training_function: None,
             enable_cpu_affinity: false,
+            max_restarts: None,
+            monitor_interval: None,
             fsdp_config: None,
             unused: Mapping::new(),
         }
@@ -418,6 +430,8 @@ mod tests {
             rdzv_backend: Some("static".into()),
             same_network: Some(true),
             main_training_function: Some("main".into()),
+            max_restarts: Some(2),
+            monitor_interval: Some(0.5),
             fsdp_config: Some(FsdpFileConfig {
                 fsdp_version: Some(2),
                 ..Default::default()
