@@ -87,6 +87,26 @@ fn rank_pid(parent: u32, rank: usize) -> Option<i32> {
     None
 }
 
+/// Sends `signal` (`KILL`, `STOP`, `TERM`) to process `pid`.
+fn signal(pid: impl std::fmt::Display, signal: &str) {
+    let sent = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{signal} {pid}");
+}
+
+/// After a restart: the resume line, and the weights of an uninterrupted run.
+fn assert_resumed_bitwise(out: &Output, calm: &Path, hit: &Path) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("resumed from"), "{stdout}");
+    assert!(
+        model(calm) == model(hit),
+        "the interrupted run's weights differ"
+    );
+}
+
 fn model(out: &Path) -> Vec<u8> {
     let path: PathBuf = out.join("model").join("model.safetensors");
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -103,23 +123,14 @@ fn a_rank_killed_mid_run_restarts_the_group_and_the_weights_match_an_uninterrupt
     wait_for_checkpoint(&hit, 2);
     std::thread::sleep(Duration::from_millis(200));
     let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
-    let killed = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    signal(pid, "KILL");
     let out = finish(child);
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(
         log.contains("rank 1 failed with signal 9") && log.contains("restart 1 of 1"),
         "{log}"
     );
-    let resumed = String::from_utf8_lossy(&out.stdout);
-    assert!(resumed.contains("restart 1: resumed from"), "{resumed}");
-    assert!(
-        model(&calm) == model(&hit),
-        "the restarted run's weights differ"
-    );
+    assert_resumed_bitwise(&out, &calm, &hit);
 }
 
 #[test]
@@ -132,11 +143,7 @@ fn sigterm_to_the_launcher_saves_the_step_on_every_rank_and_resume_ends_bitwise(
     let child = launch(&hit, 0, 25, &[]);
     wait_for_checkpoint(&hit, 0);
     std::thread::sleep(Duration::from_millis(150));
-    let sent = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(sent.success());
+    signal(child.id(), "TERM");
     let out = child.wait_with_output().unwrap();
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -156,12 +163,7 @@ fn sigterm_to_the_launcher_saves_the_step_on_every_rank_and_resume_ends_bitwise(
     );
 
     let out = finish(launch(&hit, 0, 25, &["--resume"]));
-    let resumed = String::from_utf8_lossy(&out.stdout);
-    assert!(resumed.contains("resumed from"), "{resumed}");
-    assert!(
-        model(&calm) == model(&hit),
-        "the resumed run's weights differ"
-    );
+    assert_resumed_bitwise(&out, &calm, &hit);
 }
 
 #[test]
@@ -176,11 +178,7 @@ fn a_stopped_rank_is_named_by_the_collective_timeout_and_the_group_restarts() {
     wait_for_checkpoint(&hit, 2);
     std::thread::sleep(Duration::from_millis(200));
     let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
-    let frozen = Command::new("kill")
-        .args(["-STOP", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(frozen.success());
+    signal(pid, "STOP");
     let started = Instant::now();
     let out = finish(child);
     let log = String::from_utf8_lossy(&out.stderr);
@@ -227,19 +225,10 @@ fn a_rank_killed_during_a_save_restarts_from_the_last_complete_checkpoint() {
         std::thread::sleep(Duration::from_micros(200));
     }
     let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
-    let killed = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    signal(pid, "KILL");
     let out = finish(child);
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(log.contains("restart 1 of 1"), "{log}");
     // No partial checkpoint is ever listed, so the restart reads a whole one.
-    let resumed = String::from_utf8_lossy(&out.stdout);
-    assert!(resumed.contains("restart 1: resumed from"), "{resumed}");
-    assert!(
-        model(&calm) == model(&hit),
-        "the restarted run's weights differ"
-    );
+    assert_resumed_bitwise(&out, &calm, &hit);
 }
