@@ -39,7 +39,7 @@ pub(crate) fn available() -> bool {
 
 /// Whether bf16 products run on AMX tiles here: then the linear layers hand
 /// their bf16 tensors to [`amx_new`] as they lie, with no f32 copy.
-pub(crate) fn amx() -> bool {
+fn amx() -> bool {
     amx::available()
 }
 
@@ -90,6 +90,14 @@ pub(crate) fn product(bf16: bool, dims: (usize, usize, usize), a: MatRef, b: Mat
     }
 }
 
+/// Whether an op whose products take bf16 operands (`bf16`) hands its bf16
+/// tensors to [`product_of`] as they lie: where AMX takes the products.
+/// Elsewhere they are converted to f32 first (a weight of the LM head at a
+/// 32 K vocabulary is a 200 MB buffer per pass).
+pub(crate) fn keep_bf16(bf16: bool) -> bool {
+    bf16 && amx()
+}
+
 /// `a @ b` as a new buffer, with bf16 products when `bf16`; bf16 operands
 /// (which [`crate::kernels::values_of`] hands out only where AMX takes the
 /// products) are read as they lie.
@@ -102,7 +110,7 @@ pub(crate) fn product_of(
     a: HalfRef,
     b: HalfRef,
 ) -> Vec<f32> {
-    if bf16 && amx() {
+    if keep_bf16(bf16) {
         return amx_new(dims, a, b);
     }
     let (Some(a), Some(b)) = (a.as_f32(), b.as_f32()) else {

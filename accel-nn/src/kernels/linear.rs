@@ -13,7 +13,7 @@ use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape,
 
 pub(crate) use super::act::Act;
 use super::act::{copy_backward, forward_new};
-use super::gemm_bf16::{self, bf16_products, product};
+use super::gemm_bf16::{self, bf16_products, keep_bf16, product_of};
 use super::raw::amx::{HalfRef, Values};
 use super::raw::{gemm, gemm_new, par, MatRef};
 use super::skinny;
@@ -79,7 +79,7 @@ impl LinearOp {
         }
         let bf16 = bf16_products(x.0.dtype(), w.0.dtype());
         let amx = match (as_bf16(x.0, x.1), as_bf16(w.0, w.1)) {
-            (Some(xs), Some(ws)) if gemm_bf16::amx() => Some((xs, ws)),
+            (Some(xs), Some(ws)) if keep_bf16(bf16) => Some((xs, ws)),
             _ => None,
         };
         let y = match amx {
@@ -192,52 +192,40 @@ impl LinearOp {
                     &owned
                 }
             };
-            let dh_rows = MatRef::rows(dh, 0, out);
             let bf16 = bf16_products(x.dtype(), w.dtype());
-            // AMX reads bf16 `w` and `x` as they lie (no f32 copy of the
-            // weight), and `dh` rounded to bf16 as it packs it.
-            let amx = bf16 && gemm_bf16::amx();
-            let dx = if !x.track_op() {
-                None
-            } else if amx {
+            // Where AMX takes the products it reads bf16 `w` and `x` as they
+            // lie (no f32 copy of the weight), and `dh` rounded to bf16 as
+            // it packs it.
+            let keep = keep_bf16(bf16);
+            let dx = if x.track_op() {
                 // dx [n, in] = dh [n, out] @ w [out, in]
-                let dx = with_values(w, true, |ws| {
-                    Ok(gemm_bf16::amx_new(
+                let dx = with_values(w, keep, |ws| {
+                    let dh_rows = HalfRef::new(Values::F32(dh), 0, (out, 1));
+                    Ok(product_of(
+                        bf16,
                         (n, inp, out),
-                        HalfRef::new(Values::F32(dh), 0, (out, 1)),
+                        dh_rows,
                         HalfRef::new(ws, 0, (inp, 1)),
                     ))
                 })?;
                 Some(tensor_from_f32(dx, (n, inp), x.dtype())?)
             } else {
-                let dx = with_f32(w, |ws| {
-                    Ok(product(
-                        bf16,
-                        (n, inp, out),
-                        dh_rows,
-                        MatRef::rows(ws, 0, inp),
-                    ))
-                })?;
-                Some(tensor_from_f32(dx, (n, inp), x.dtype())?)
-            };
-            let dw = if !w.track_op() {
                 None
-            } else if amx {
+            };
+            let dw = if w.track_op() {
                 // dw [out, in] = dh^T [out, n] @ x [n, in]
-                let dw = with_values(x, true, |xs| {
-                    Ok(gemm_bf16::amx_new(
+                let dw = with_values(x, keep, |xs| {
+                    let dh_t = HalfRef::new(Values::F32(dh), 0, (1, out));
+                    Ok(product_of(
+                        bf16,
                         (out, inp, n),
-                        HalfRef::new(Values::F32(dh), 0, (1, out)),
+                        dh_t,
                         HalfRef::new(xs, 0, (inp, 1)),
                     ))
                 })?;
                 Some(tensor_from_f32(dw, (out, inp), w.dtype())?)
             } else {
-                let dh_t = MatRef::rows_t(dh, 0, out);
-                let dw = with_f32(x, |xs| {
-                    Ok(product(bf16, (out, inp, n), dh_t, MatRef::rows(xs, 0, inp)))
-                })?;
-                Some(tensor_from_f32(dw, (out, inp), w.dtype())?)
+                None
             };
             let db = if with_bias {
                 Some(tensor_from_f32(column_sums(dh, out), out, w.dtype())?)

@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::gemm_bf16::{self, bf16_products, product_of};
+use super::gemm_bf16::{bf16_products, keep_bf16, product_of};
 use super::raw::amx::{HalfRef, Values};
 use super::raw::par;
 use super::{
@@ -217,13 +217,6 @@ fn logits(bf16: bool, x: &[f32], w: Values, n: usize, d: usize, c: usize) -> Vec
         HalfRef::new(Values::F32(x), 0, (d, 1)),
         HalfRef::new(w, 0, (1, d)),
     )
-}
-
-/// Whether the weight is read as bf16 values as they lie (AMX takes the
-/// products), not converted to f32: at a 32 K vocabulary that conversion
-/// is a 200 MB buffer per pass.
-fn keep_bf16(bf16: bool) -> bool {
-    bf16 && gemm_bf16::amx()
 }
 
 /// The forward over chunks of `per` rows: row log-sum-exps and the loss.

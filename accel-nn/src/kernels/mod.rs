@@ -58,8 +58,8 @@ fn as_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>> {
     };
     Ok(match s {
         CpuStorage::F32(v) => Cow::Borrowed(&v[start..end]),
-        CpuStorage::F16(v) => Cow::Owned(widen(&v[start..end], f16::to_f32)),
-        CpuStorage::BF16(v) => Cow::Owned(widen(&v[start..end], bf16::to_f32)),
+        CpuStorage::F16(v) => Cow::Owned(convert(&v[start..end], f16::to_f32)),
+        CpuStorage::BF16(v) => Cow::Owned(convert(&v[start..end], bf16::to_f32)),
         other => bail!(
             "fused kernels support f32, f16 and bf16, got {:?}",
             other.dtype()
@@ -67,9 +67,10 @@ fn as_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>> {
     })
 }
 
-/// Half values as f32, converted in parallel chunks (a 1 GB bf16 weight
-/// took a serial second here).
-fn widen<T: Copy + Sync>(v: &[T], f: impl Fn(T) -> f32 + Sync) -> Vec<f32> {
+/// `v` converted value by value, in parallel chunks, each output written
+/// once (no serial zero fill first): halves to f32 and back around the
+/// fused kernels (a 1 GB bf16 weight took a serial second here).
+fn convert<S: Copy + Sync, T: Copy + Default + Send>(v: &[S], f: impl Fn(S) -> T + Sync) -> Vec<T> {
     raw::par::new_vec(v.len(), CHUNK, |i, out| {
         for (o, &x) in out.iter_mut().zip(&v[i * CHUNK..]) {
             *o = f(x)
@@ -83,16 +84,6 @@ fn widen<T: Copy + Sync>(v: &[T], f: impl Fn(T) -> f32 + Sync) -> Vec<f32> {
 #[inline(always)]
 fn to_bf16(x: f32) -> bf16 {
     bf16::from_bits(raw::amx::bf16_bits(x))
-}
-
-/// f32 values as halves, converted in parallel chunks (each written once:
-/// no serial zero fill first).
-fn narrow<T: Copy + Default + Send>(v: &[f32], f: impl Fn(f32) -> T + Sync) -> Vec<T> {
-    raw::par::new_vec(v.len(), CHUNK, |i, out| {
-        for (o, &x) in out.iter_mut().zip(&v[i * CHUNK..]) {
-            *o = f(x)
-        }
-    })
 }
 
 /// The contiguous contents of a bf16 CPU storage, borrowed (`None` for
@@ -163,8 +154,8 @@ fn strided_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<(Cow<'a, [f32]>, usi
 fn from_f32(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(v),
-        DType::F16 => CpuStorage::F16(narrow(&v, f16::from_f32)),
-        DType::BF16 => CpuStorage::BF16(narrow(&v, to_bf16)),
+        DType::F16 => CpuStorage::F16(convert(&v, f16::from_f32)),
+        DType::BF16 => CpuStorage::BF16(convert(&v, to_bf16)),
         other => bail!("fused kernels support f32, f16 and bf16, got {other:?}"),
     })
 }
@@ -198,8 +189,8 @@ fn with_strided_f32<R>(
 /// f32 results as a CPU tensor of `dtype`.
 fn tensor_from_f32(v: Vec<f32>, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
     match dtype {
-        DType::BF16 => Tensor::from_vec(narrow(&v, to_bf16), shape, &Device::Cpu),
-        DType::F16 => Tensor::from_vec(narrow(&v, f16::from_f32), shape, &Device::Cpu),
+        DType::BF16 => Tensor::from_vec(convert(&v, to_bf16), shape, &Device::Cpu),
+        DType::F16 => Tensor::from_vec(convert(&v, f16::from_f32), shape, &Device::Cpu),
         _ => Tensor::from_vec(v, shape, &Device::Cpu)?.to_dtype(dtype),
     }
 }
