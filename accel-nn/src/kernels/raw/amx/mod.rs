@@ -34,7 +34,10 @@ mod pack;
 mod tests;
 mod tile;
 
-use pack::{a_in_place, a_rows, pack_a_rows, pack_b_step, PackedB, PACK_BUFFER, STEP_U32};
+use pack::{
+    a_in_place, a_rows, keep_pack_buffer, pack_a_rows, pack_b_step, take_pack_buffer, PackedB,
+    STEP_U32,
+};
 use tile::{with_tiles, Job};
 
 /// Rows and columns of the block of `c` one kernel call computes.
@@ -348,10 +351,7 @@ fn streamed_b(
         let qs = g * per..nb.min((g + 1) * per);
         let width = qs.len() * STEP_U32;
         let kc = (STREAM_BYTES / (4 * width)).clamp(1, steps);
-        let mut buf = PACK_BUFFER.with(|b| b.take());
-        if buf.len() < kc * width {
-            buf.resize(kc * width, 0);
-        }
+        let mut buf = take_pack_buffer(kc * width);
         for s0 in (0..steps).step_by(kc) {
             let sc = kc.min(steps - s0);
             for (i, step) in buf.chunks_mut(width).take(sc).enumerate() {
@@ -375,6 +375,6 @@ fn streamed_b(
                 }
             });
         }
-        PACK_BUFFER.with(|b| b.set(buf));
+        keep_pack_buffer(buf);
     });
 }

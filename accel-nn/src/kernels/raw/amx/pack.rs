@@ -28,22 +28,40 @@ pub(super) struct PackedB {
 pub(super) const STEP_U32: usize = KSTEP / 2 * BLOCK;
 
 thread_local! {
-    /// The calling thread's last packing buffer, reused: a fresh one per
-    /// call faulted in (and zeroed) up to the weight's size every time.
-    pub(super) static PACK_BUFFER: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// The thread's last packing buffer, reused: a fresh one per call
+    /// faulted in (and zeroed) up to the weight's size every time.
+    static PACK_BUFFER: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// The largest packing buffer a thread keeps between calls: a layer's
+/// weights of a 0.5-7 B model; a larger one (an LM head packed whole) is
+/// freed after its call rather than held for the life of the thread.
+const KEPT_BUFFER_BYTES: usize = 16 << 20;
+
+/// This thread's packing buffer, at least `len` long. Its contents are
+/// stale: the packers write every slot they hand to the kernel. It keeps its
+/// longest length, so that no call zero-fills more than it grows.
+pub(super) fn take_pack_buffer(len: usize) -> Vec<u32> {
+    let mut buf = PACK_BUFFER.with(|b| b.take());
+    if buf.len() < len {
+        buf.resize(len, 0);
+    }
+    buf
+}
+
+/// Gives a buffer from [`take_pack_buffer`] back to this thread, unless it
+/// is past [`KEPT_BUFFER_BYTES`].
+pub(super) fn keep_pack_buffer(buf: Vec<u32>) {
+    if 4 * buf.capacity() <= KEPT_BUFFER_BYTES {
+        PACK_BUFFER.with(|b| b.set(buf));
+    }
 }
 
 impl PackedB {
     pub(super) fn new(b: &HalfRef<'_>, (k, n): (usize, usize), k2: usize) -> Self {
         let (nb, steps) = (n.div_ceil(BLOCK), k2 / KSTEP);
         let len = nb * steps * STEP_U32;
-        // Reused contents are stale: the packers write every slot. The
-        // buffer keeps its longest length, so that no call zero-fills more
-        // than it grows.
-        let mut buf = PACK_BUFFER.with(|b| b.take());
-        if buf.len() < len {
-            buf.resize(len, 0);
-        }
+        let mut buf = take_pack_buffer(len);
         let data = &mut buf[..len];
         if b.cs == 1 && b.rs != 1 {
             par::chunks_mut(data, nb * STEP_U32, |i, step| {
@@ -78,8 +96,7 @@ impl PackedB {
 
 impl Drop for PackedB {
     fn drop(&mut self) {
-        let data = std::mem::take(&mut self.data);
-        PACK_BUFFER.with(|b| b.set(data));
+        keep_pack_buffer(std::mem::take(&mut self.data));
     }
 }
 
