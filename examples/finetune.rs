@@ -310,14 +310,7 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    match run() {
-        // Saved and stopped on SIGTERM: exit as a process it killed would.
-        Err(e) if matches!(e.downcast_ref(), Some(accel_core::Error::Stopped { .. })) => {
-            eprintln!("{e}");
-            std::process::exit(accel_core::dist::signals::TERMINATED_STATUS)
-        }
-        other => other,
-    }
+    accel_examples::exit_if_stopped(run())
 }
 
 fn run() -> Result<()> {

@@ -85,6 +85,20 @@ pub mod text;
 pub mod train_gpt;
 
 pub use accel_core::rng::SplitMix64;
+
+/// A program's outcome as a process: a run that saved and stopped on a
+/// termination signal ([`accel_core::Error::Stopped`]) exits with
+/// SIGTERM's status (143) after its message, as a process the signal ended
+/// would, so a scheduler sees the same; anything else is returned.
+pub fn exit_if_stopped(outcome: anyhow::Result<()>) -> anyhow::Result<()> {
+    match outcome {
+        Err(e) if matches!(e.downcast_ref(), Some(accel_core::Error::Stopped { .. })) => {
+            eprintln!("{e}");
+            std::process::exit(accel_core::dist::signals::TERMINATED_STATUS)
+        }
+        other => other,
+    }
+}
 pub use devices::device_named;
 pub use gpt::{Gpt, GptConfig};
 pub use mlp::Mlp;

@@ -20,39 +20,9 @@ use candle_nn::VarMap;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
-/// The job stopped on a termination signal after saving a checkpoint.
-#[derive(Debug)]
-pub struct Stopped {
-    /// The last step taken (the checkpoint's).
-    pub step: u64,
-    /// The checkpoint written.
-    pub checkpoint: PathBuf,
-}
-
-impl std::fmt::Display for Stopped {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "stopped by a termination signal after step {}; saved {} (continue with --resume)",
-            self.step,
-            self.checkpoint.display()
-        )
-    }
-}
-
-impl std::error::Error for Stopped {}
-
-/// [`run`] as a process: a stop on a termination signal exits with
-/// SIGTERM's status (143) after its message, as a process killed by it
-/// would, so a scheduler sees the same.
+/// [`run`] as a process (see [`crate::exit_if_stopped`]).
 pub fn main_with(args: &Args) -> Result<()> {
-    match run(args) {
-        Err(e) if e.is::<Stopped>() => {
-            eprintln!("{e}");
-            std::process::exit(accel_core::dist::signals::TERMINATED_STATUS)
-        }
-        other => other,
-    }
+    crate::exit_if_stopped(run(args))
 }
 
 /// Optimizer steps taken, saved with each checkpoint (`custom_checkpoint_0`).
@@ -245,7 +215,7 @@ pub fn run(args: &Args) -> Result<()> {
                 let dir = acc.save_state(None)?;
                 bar.abandon();
                 acc.end_training()?;
-                return Err(Stopped {
+                return Err(accel_core::Error::Stopped {
                     step,
                     checkpoint: dir,
                 }
