@@ -49,4 +49,4 @@ pub use group::ProcessGroup;
 pub use process::{Backend, InitProcessGroupKwargs, ProcessGroupConfig};
 pub(crate) use reduce::Element;
 pub use reduce::ReduceOp;
-pub use rendezvous::{StoreServer, TcpStore};
+pub use rendezvous::{StoreLimits, StoreServer, TcpStore};

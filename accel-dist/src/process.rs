@@ -199,7 +199,7 @@ impl ProcessGroupConfig {
             }
             None => {}
         }
-        cfg.job_token = lookup(ENV_JOB_TOKEN).unwrap_or_default();
+        cfg.job_token = job_token(&lookup, distributed)?;
         if let Some(secs) = parse::<f64>(&lookup, ENV_TIMEOUT)? {
             if !(secs.is_finite() && secs > 0.0) {
                 return Err(env_err(
@@ -302,6 +302,57 @@ fn env_err(var: &'static str, value: &str, reason: &str) -> Error {
     }
 }
 
+/// The job token: `ACCEL_JOB_TOKEN`, or the run id `torchrun --standalone`
+/// draws (a random UUID, in the workers' environment only). A multi-process
+/// job without either is refused: its store and peers would admit any
+/// local process.
+fn job_token(lookup: &impl Fn(&str) -> Option<String>, distributed: bool) -> Result<String> {
+    match lookup(ENV_JOB_TOKEN) {
+        Some(t) if t.is_empty() => Err(env_err(
+            ENV_JOB_TOKEN,
+            "",
+            "is empty; an empty token would admit any local process (unset it to run alone, \
+             or use `accel launch`, which makes one)",
+        )),
+        Some(t) => Ok(t),
+        None => match lookup(ENV_TORCHELASTIC_RUN_ID) {
+            Some(id) if distributed && is_uuid(&id) => Ok(format!("torchrun-{id}")),
+            _ if distributed => Err(Error::MissingEnv {
+                var: ENV_JOB_TOKEN,
+                reason: "a multi-process job needs a secret shared by its ranks, so its store \
+                         and peers admit no other process: `accel launch` makes one; with \
+                         torchrun, export the same ACCEL_JOB_TOKEN=<secret> to every rank or \
+                         use `torchrun --standalone`",
+            }),
+            _ => Ok(String::new()),
+        },
+    }
+}
+
+/// torchrun's run id, a random UUID under `--standalone` (`none` by default).
+const ENV_TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
+
+/// Whether `s` has the shape of a UUID (`8-4-4-4-12` hex digits).
+fn is_uuid(s: &str) -> bool {
+    let groups: Vec<&str> = s.split('-').collect();
+    groups.len() == 5
+        && groups
+            .iter()
+            .zip([8, 4, 4, 4, 12])
+            .all(|(g, n)| g.len() == n && g.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Parses an optional variable, naming it in the error.
+pub(crate) fn parse_env<T: std::str::FromStr>(
+    lookup: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+) -> Result<Option<T>>
+where
+    T::Err: std::fmt::Display,
+{
+    parse(lookup, var)
+}
+
 fn parse<T: std::str::FromStr>(
     lookup: &impl Fn(&str) -> Option<String>,
     var: &'static str,
@@ -393,6 +444,7 @@ mod tests {
             ),
             (&[("MASTER_PORT", "70000")], "MASTER_PORT"),
             (&[("ACCEL_DIST_TIMEOUT", "-1")], "ACCEL_DIST_TIMEOUT"),
+            (&[("ACCEL_JOB_TOKEN", "")], "ACCEL_JOB_TOKEN=\"\": is empty"),
             (
                 &[("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "1")],
                 "LOCAL_RANK",
@@ -402,6 +454,35 @@ mod tests {
             let err = ProcessGroupConfig::from_lookup(lookup(vars)).unwrap_err();
             assert!(err.to_string().contains(name), "{vars:?}: {err}");
         }
+    }
+
+    #[test]
+    fn a_multi_process_job_needs_a_token_or_torchruns_standalone_run_id() {
+        let job = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "1"),
+        ];
+        let err = ProcessGroupConfig::from_lookup(lookup(&job)).unwrap_err();
+        assert!(
+            err.to_string().contains("ACCEL_JOB_TOKEN is not set"),
+            "{err}"
+        );
+        let with = |extra: (&'static str, &'static str)| {
+            let mut vars = job.to_vec();
+            vars.push(extra);
+            ProcessGroupConfig::from_lookup(lookup(&vars))
+        };
+        // torchrun's default run id is not a secret.
+        assert!(with(("TORCHELASTIC_RUN_ID", "none")).is_err());
+        let id = "0c1a2b3c-4d5e-4f60-8a9b-0123456789ab";
+        let cfg = with(("TORCHELASTIC_RUN_ID", id)).unwrap();
+        assert_eq!(cfg.job_token, format!("torchrun-{id}"));
+        assert_eq!(with(("ACCEL_JOB_TOKEN", "s")).unwrap().job_token, "s");
+        // One process needs none.
+        let alone = ProcessGroupConfig::from_lookup(lookup(&[])).unwrap();
+        assert_eq!(alone.job_token, "");
     }
 
     #[test]

@@ -41,10 +41,10 @@ fn the_host_reports_the_port_it_got_and_clients_share_keys() -> Result<()> {
 
 #[test]
 fn get_blocks_until_another_rank_sets_the_key() -> Result<()> {
-    let host = Arc::new(TcpStore::host(loopback(), "", Duration::from_secs(5))?);
+    let host = Arc::new(TcpStore::host(loopback(), "tok", Duration::from_secs(5))?);
     let addr = host.addr();
     let setter = std::thread::spawn(move || -> Result<()> {
-        let c = TcpStore::connect(addr, "", Duration::from_secs(5))?;
+        let c = TcpStore::connect(addr, "tok", Duration::from_secs(5))?;
         std::thread::sleep(Duration::from_millis(100));
         c.set("late", b"here")
     });
@@ -57,7 +57,7 @@ fn get_blocks_until_another_rank_sets_the_key() -> Result<()> {
 
 #[test]
 fn a_missing_key_times_out_with_its_name_and_the_address() -> Result<()> {
-    let host = TcpStore::host(loopback(), "", Duration::from_millis(200))?;
+    let host = TcpStore::host(loopback(), "tok", Duration::from_millis(200))?;
     let start = Instant::now();
     let err = host.get("never").unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(5));
@@ -101,18 +101,18 @@ fn a_stray_connection_is_refused() -> Result<()> {
 #[test]
 fn connecting_retries_until_the_store_is_up() -> Result<()> {
     // Find a free port, then start the store on it a little later.
-    let addr = StoreServer::bind(loopback(), "")?.local_addr();
+    let addr = StoreServer::bind(loopback(), "tok")?.local_addr();
     let late = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));
-        StoreServer::bind(addr, "").map(|s| {
+        StoreServer::bind(addr, "tok").map(|s| {
             std::thread::sleep(Duration::from_millis(500));
             drop(s)
         })
     });
-    let client = TcpStore::connect(addr, "", Duration::from_secs(5))?;
+    let client = TcpStore::connect(addr, "tok", Duration::from_secs(5))?;
     client.set("k", b"v")?;
     late.join().unwrap()?;
-    let err = TcpStore::connect(addr, "", Duration::from_millis(300))
+    let err = TcpStore::connect(addr, "tok", Duration::from_millis(300))
         .err()
         .unwrap();
     assert!(matches!(err, Error::StoreUnreachable { .. }), "{err}");
@@ -122,12 +122,12 @@ fn connecting_retries_until_the_store_is_up() -> Result<()> {
 
 #[test]
 fn a_barrier_names_the_ranks_that_did_not_arrive() -> Result<()> {
-    let host = Arc::new(TcpStore::host(loopback(), "", Duration::from_secs(5))?);
+    let host = Arc::new(TcpStore::host(loopback(), "tok", Duration::from_secs(5))?);
     let addr = host.addr();
     let others: Vec<_> = (1..3)
         .map(|rank| {
             std::thread::spawn(move || -> Result<()> {
-                let c = TcpStore::connect(addr, "", Duration::from_secs(5))?;
+                let c = TcpStore::connect(addr, "tok", Duration::from_secs(5))?;
                 c.barrier("start", rank, 3)?;
                 c.barrier("start", rank, 3)
             })
@@ -138,7 +138,7 @@ fn a_barrier_names_the_ranks_that_did_not_arrive() -> Result<()> {
     for t in others {
         t.join().unwrap()?;
     }
-    let mut lonely = TcpStore::connect(addr, "", Duration::from_secs(5))?;
+    let mut lonely = TcpStore::connect(addr, "tok", Duration::from_secs(5))?;
     lonely.set_timeout(Duration::from_millis(200));
     let err = lonely.barrier("end", 1, 3).unwrap_err();
     assert!(
@@ -184,7 +184,7 @@ fn communicators_connect_through_a_store_hosted_by_rank_zero() -> Result<()> {
 
 #[test]
 fn a_rank_that_never_shows_up_is_named() -> Result<()> {
-    let host = TcpStore::host(loopback(), "", Duration::from_millis(300))?;
+    let host = TcpStore::host(loopback(), "tok", Duration::from_millis(300))?;
     let start = Instant::now();
     let err = TcpCommunicator::connect(&host, 0, 2, Duration::from_millis(300))
         .err()

@@ -8,6 +8,10 @@
 //! the scenario named by its argument and prints one JSON line. It checks
 //! results itself: expected values are closed-form functions of rank and
 //! index, so every rank knows what every other rank sent.
+//!
+//! `dist_worker store` only hosts a rendezvous store for `ACCEL_JOB_TOKEN`
+//! (the hostile-client tests in `tests/hostile.rs` give it a low open-file
+//! limit), prints its port and serves until its standard input closes.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -31,6 +35,9 @@ fn main() -> ExitCode {
 }
 
 fn run(scenario: &str) -> Result<()> {
+    if scenario == "store" {
+        return host_store();
+    }
     let cfg = ProcessGroupConfig::from_env()?;
     let mut tcp = TcpConfig::default().with_timeout(cfg.timeout);
     if let Some(v) = env_usize("ACCEL_TCP_DIRECT_MAX") {
@@ -417,5 +424,14 @@ fn report(c: &TcpCommunicator, start: Instant, result: Result<()>) -> Result<()>
             .expect_err("a failed communicator refuses calls");
         assert!(matches!(after, Error::Poisoned { .. }), "{after}");
     }
+    Ok(())
+}
+
+/// Hosts a store on a free loopback port until standard input closes.
+fn host_store() -> Result<()> {
+    let token = std::env::var(accel_dist::process::ENV_JOB_TOKEN).unwrap_or_default();
+    let server = accel_dist::StoreServer::bind(([127, 0, 0, 1], 0).into(), &token)?;
+    println!("{}", server.local_addr().port());
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new());
     Ok(())
 }

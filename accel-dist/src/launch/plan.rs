@@ -147,8 +147,16 @@ pub fn plan(config: &LaunchConfig) -> Result<LaunchPlan> {
         (None, false) => 0,
     };
     let token = match (&c.job_token, multi) {
+        (Some(t), _) if t.is_empty() => {
+            return Err(invalid(
+                ENV_JOB_TOKEN,
+                "",
+                "is empty; an empty token would admit any local process (unset it and the \
+                 launcher makes one)",
+            ))
+        }
         (Some(t), _) => t.clone(),
-        (None, false) => random_token(),
+        (None, false) => random_token()?,
         (None, true) => {
             return Err(invalid(
                 ENV_JOB_TOKEN,
@@ -195,24 +203,9 @@ pub fn plan(config: &LaunchConfig) -> Result<LaunchPlan> {
     })
 }
 
-/// 128 bits from the OS's randomness, hex-encoded.
-fn random_token() -> String {
-    use std::collections::hash_map::RandomState;
-    use std::hash::{BuildHasher, Hasher};
-    // RandomState is seeded from the OS's random source per instance.
-    let mut out = String::new();
-    for _ in 0..2 {
-        let mut h = RandomState::new().build_hasher();
-        h.write_u128(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0),
-        );
-        h.write_u32(std::process::id());
-        out.push_str(&format!("{:016x}", h.finish()));
-    }
-    out
+/// 256 bits from the operating system's cryptographic source, as hex.
+fn random_token() -> Result<String> {
+    crate::rendezvous::new_token().map_err(|e| Error::io("drawing a job token", e))
 }
 
 #[cfg(test)]
@@ -274,6 +267,13 @@ mod tests {
         let mut c = LaunchConfig::local(2, "train");
         c.machine_rank = 1;
         assert!(plan(&c).unwrap_err().to_string().contains("machine_rank"));
+        let mut c = LaunchConfig::local(2, "train");
+        c.job_token = Some(String::new());
+        let err = plan(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("ACCEL_JOB_TOKEN") && err.contains("is empty"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -126,6 +126,7 @@ pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
                 .into(),
         });
     }
+    raise_descriptor_limit();
     let mut restart = 0;
     loop {
         match run_once(plan, options, restart) {
@@ -238,6 +239,21 @@ fn run_once(plan: &LaunchPlan, options: &RunOptions, restart: usize) -> Result<(
             status: describe(status),
             world: plan.processes.len(),
         }),
+    }
+}
+
+/// Raises the soft limit on open files to the hard one (capped at 2^20), as
+/// the launcher's store holds one descriptor per client; the ranks inherit it.
+fn raise_descriptor_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    let want = hard.min(1 << 20);
+    if soft < want {
+        if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, want, hard) {
+            tracing::debug!(error = %e, soft, want, "could not raise the open-file limit");
+        }
     }
 }
 

@@ -6,8 +6,9 @@ use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::auth;
 use super::protocol::{self, op, read_frame, reply, write_frame, Decoder, Encoder};
-use super::store::{reachable, StoreServer};
+use super::store::{check_token, reachable, StoreLimits, StoreServer, CLIENT_LABEL, SERVER_LABEL};
 use crate::{Error, ProcessGroupConfig, Result};
 
 /// Extra time the client waits for an answer beyond the wait it asked the
@@ -18,13 +19,19 @@ const ANSWER_SLACK: Duration = Duration::from_secs(10);
 ///
 /// Requests from one `TcpStore` are serialized; a blocking [`get`](Self::get)
 /// holds the connection until it returns. Every blocking call waits at most
-/// [`timeout`](Self::timeout).
+/// [`timeout`](Self::timeout). The store closes connections idle for
+/// [`StoreLimits::idle_timeout`]; the next request then connects again,
+/// claims the same ranks and is sent once more (the store never closes a
+/// connection between reading a request and answering it).
 pub struct TcpStore {
     addr: SocketAddr,
     token: String,
     timeout: Duration,
+    max_frame: usize,
     local_ip: IpAddr,
     conn: Mutex<TcpStream>,
+    /// Ranks claimed through this store, claimed again after a reconnect.
+    claimed: Mutex<Vec<usize>>,
     generations: Mutex<HashMap<String, u64>>,
     // Declared last: the server outlives this store's own connection.
     server: Option<StoreServer>,
@@ -46,34 +53,12 @@ impl TcpStore {
     ///
     /// # Errors
     /// [`Error::StoreUnreachable`] after the timeout; [`Error::Refused`] when
-    /// the store rejects `token` (a stray client is not retried).
+    /// the store rejects `token` (a stray client is not retried) or cannot
+    /// prove it holds it; [`Error::Env`] for an empty token.
     pub fn connect(addr: SocketAddr, token: &str, timeout: Duration) -> Result<Self> {
-        let start = Instant::now();
-        let mut backoff = Duration::from_millis(5);
-        let stream = loop {
-            let left = timeout.saturating_sub(start.elapsed());
-            let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)));
-            match attempt.and_then(|s| handshake(s, token)) {
-                Ok(Ok(s)) => break s,
-                Ok(Err(reason)) => {
-                    return Err(Error::Refused {
-                        addr: addr.to_string(),
-                        reason,
-                    })
-                }
-                Err(e) if start.elapsed() + backoff >= timeout => {
-                    return Err(Error::StoreUnreachable {
-                        addr: addr.to_string(),
-                        waited: timeout,
-                        reason: e.to_string(),
-                    })
-                }
-                Err(_) => {
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_millis(200));
-                }
-            }
-        };
+        check_token(token)?;
+        let max_frame = StoreLimits::from_env()?.max_frame;
+        let stream = open(addr, token, timeout)?;
         let local_ip = stream
             .local_addr()
             .map_err(|e| {
@@ -87,21 +72,45 @@ impl TcpStore {
             addr,
             token: token.to_string(),
             timeout,
+            max_frame,
             local_ip,
             conn: Mutex::new(stream),
+            claimed: Mutex::new(Vec::new()),
             generations: Mutex::new(HashMap::new()),
             server: None,
         })
     }
 
-    /// Hosts (rank 0, unless a launcher does) or connects to the store of `config`.
+    /// Hosts (rank 0, unless a launcher does) or connects to the store of
+    /// `config`, and claims `config.rank`.
     pub fn from_config(config: &ProcessGroupConfig) -> Result<Self> {
         let addr = config.master_socket_addr()?;
-        if config.hosts_store() {
-            Self::host(addr, &config.job_token, config.timeout)
+        let store = if config.hosts_store() {
+            Self::host(addr, &config.job_token, config.timeout)?
         } else {
-            Self::connect(addr, &config.job_token, config.timeout)
+            Self::connect(addr, &config.job_token, config.timeout)?
+        };
+        store.claim_rank(config.rank)?;
+        Ok(store)
+    }
+
+    /// Claims `rank` for this process: afterwards only this process may write
+    /// the keys under `accel/rank/<rank>/`, each once. Claiming again from
+    /// the same process (another connection, a reconnect) succeeds.
+    ///
+    /// # Errors
+    /// [`Error::Store`] when another process claimed `rank` first.
+    pub fn claim_rank(&self, rank: usize) -> Result<()> {
+        let secret = auth::claim_secret().map_err(|e| self.error("claim", "", e))?;
+        let body = Encoder::new(op::CLAIM).u32(rank as u32).bytes(&secret).0;
+        let key = format!("rank {rank}");
+        self.request("claim", &key, &body, Duration::ZERO)?
+            .expect_status("claim", &key, self, reply::OK)?;
+        let mut claimed = self.claimed.lock().unwrap_or_else(|p| p.into_inner());
+        if !claimed.contains(&rank) {
+            claimed.push(rank);
         }
+        Ok(())
     }
 
     /// The store address (with the real port when hosted on port 0).
@@ -124,7 +133,7 @@ impl TcpStore {
         self.timeout = timeout;
     }
 
-    /// The job token presented to the store; peers present it to each other too.
+    /// The job token the store proofs use; peers prove it to each other too.
     pub fn token(&self) -> &str {
         &self.token
     }
@@ -279,23 +288,51 @@ impl TcpStore {
         }
     }
 
-    /// Sends one request and reads its answer; `wait` is how long the server may block.
+    /// Sends one request and reads its answer; `wait` is how long the server
+    /// may block. A connection the store closed while idle is replaced and the
+    /// request sent again, once.
     fn request(&self, op: &'static str, key: &str, body: &[u8], wait: Duration) -> Result<Answer> {
-        let conn = self.lock_conn();
-        let io = |e: io::Error| match e.kind() {
+        let mut conn = self.lock_conn();
+        match self.exchange(&conn, body, wait) {
+            Err(e) if closed(&e) => {
+                tracing::debug!(addr = %self.addr, "store connection closed; reconnecting");
+                *conn = open(self.addr, &self.token, self.timeout)?;
+                let claimed = self
+                    .claimed
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
+                for rank in claimed {
+                    let secret = auth::claim_secret().map_err(|e| self.error(op, key, e))?;
+                    let claim = Encoder::new(op::CLAIM).u32(rank as u32).bytes(&secret).0;
+                    let answer = self.exchange(&conn, &claim, Duration::ZERO);
+                    let answer = answer.map_err(|e| self.io_error(op, key, e))?;
+                    answer.expect_status(op, key, self, reply::OK)?;
+                }
+                self.exchange(&conn, body, wait)
+            }
+            other => other,
+        }
+        .map_err(|e| self.io_error(op, key, e))
+    }
+
+    fn io_error(&self, op: &'static str, key: &str, e: io::Error) -> Error {
+        match e.kind() {
             io::ErrorKind::UnexpectedEof => self.error(op, key, "the store closed the connection"),
             io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
                 self.error(op, key, "the store did not answer")
             }
             _ => self.error(op, key, e),
-        };
-        conn.set_read_timeout(Some(wait + ANSWER_SLACK))
-            .map_err(io)?;
-        write_frame(&*conn, body).map_err(io)?;
-        let frame = read_frame(&*conn, protocol::MAX_FRAME).map_err(io)?;
+        }
+    }
+
+    fn exchange(&self, conn: &TcpStream, body: &[u8], wait: Duration) -> io::Result<Answer> {
+        conn.set_read_timeout(Some(wait + ANSWER_SLACK))?;
+        write_frame(conn, body)?;
+        let frame = read_frame(conn, self.max_frame)?;
         let (&status, rest) = frame
             .split_first()
-            .ok_or_else(|| self.error(op, key, "empty answer"))?;
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "empty answer"))?;
         Ok(Answer {
             status,
             rest: rest.to_vec(),
@@ -347,20 +384,89 @@ impl Answer {
     }
 }
 
-/// Sends the handshake; the outer error is a transport failure (retried),
-/// the inner one a refusal (not retried).
+/// Whether `e` means the store closed the connection before answering.
+fn closed(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
+/// Connects and authenticates, retrying until `timeout` while the store is not up yet.
+fn open(addr: SocketAddr, token: &str, timeout: Duration) -> Result<TcpStream> {
+    let start = Instant::now();
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let left = timeout.saturating_sub(start.elapsed());
+        let attempt = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)));
+        match attempt.and_then(|s| handshake(s, token)) {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(reason)) => {
+                return Err(Error::Refused {
+                    addr: addr.to_string(),
+                    reason,
+                })
+            }
+            Err(e) if start.elapsed() + backoff >= timeout => {
+                return Err(Error::StoreUnreachable {
+                    addr: addr.to_string(),
+                    waited: timeout,
+                    reason: e.to_string(),
+                })
+            }
+            Err(_) => {
+                std::thread::sleep(backoff);
+                backoff = (backoff * 2).min(Duration::from_millis(200));
+            }
+        }
+    }
+}
+
+/// Proves the token to the store and checks the store's proof; the outer
+/// error is a transport failure (retried), the inner one a refusal (not retried).
 fn handshake(stream: TcpStream, token: &str) -> io::Result<std::result::Result<TcpStream, String>> {
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let client = auth::random()?;
     let mut hello = protocol::MAGIC.to_vec();
-    hello.extend(Encoder::default().str(token).0);
+    hello.extend_from_slice(&client);
     write_frame(&stream, &hello)?;
-    let answer = read_frame(&stream, protocol::MAX_HANDSHAKE)?;
-    let mut d = Decoder(&answer);
-    match d.u8()? {
-        protocol::ACCEPTED => Ok(Ok(stream)),
-        _ => Ok(Err(d.str().unwrap_or("refused").to_string())),
+    let server: auth::Bytes32 = match accepted(&stream)? {
+        Ok(nonce) => nonce.try_into().map_err(|_| malformed())?,
+        Err(reason) => return Ok(Err(reason)),
+    };
+    write_frame(
+        &stream,
+        &auth::proof(token, CLIENT_LABEL, &[&server, &client]),
+    )?;
+    let theirs = match accepted(&stream)? {
+        Ok(proof) => proof,
+        Err(reason) => return Ok(Err(reason)),
+    };
+    let want = auth::proof(token, SERVER_LABEL, &[&client, &server]);
+    if !auth::same(&want, &theirs) {
+        return Ok(Err(
+            "the server could not prove it holds the job token (not this job's store)".into(),
+        ));
     }
+    Ok(Ok(stream))
+}
+
+/// Reads `ACCEPTED bytes` (the bytes) or `REFUSED reason` (the reason).
+fn accepted(stream: &TcpStream) -> io::Result<std::result::Result<Vec<u8>, String>> {
+    let answer = read_frame(stream, protocol::MAX_HANDSHAKE)?;
+    let mut d = Decoder(&answer);
+    Ok(match d.u8()? {
+        protocol::ACCEPTED => Ok(d.bytes()?.to_vec()),
+        _ => Err(d.str().unwrap_or("refused").to_string()),
+    })
+}
+
+fn malformed() -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, "malformed store handshake")
 }
 
 fn millis(d: Duration) -> u64 {

@@ -180,7 +180,8 @@ impl NcclCommunicator {
             message,
         };
         let generation = GENERATION.fetch_add(1, Ordering::SeqCst);
-        let key = format!("accel/nccl/{generation}/id");
+        // Rank 0's own write-once key: no other process can hand out an id.
+        let key = format!("{}0/nccl/{generation}/id", crate::rendezvous::OWNED_PREFIX);
         let store = match store {
             Some(s) => Some(s),
             None if world == 1 => None,
@@ -190,6 +191,7 @@ impl NcclCommunicator {
             let id = result::get_uniqueid()
                 .map_err(|e| fail("ncclGetUniqueId", nccl_message(&e, std::ptr::null_mut())))?;
             if let Some(store) = store {
+                store.claim_rank(0)?;
                 let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
                 store.set(&key, &bytes)?;
             }

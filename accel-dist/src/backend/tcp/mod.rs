@@ -36,6 +36,7 @@
 
 mod config;
 mod direct;
+mod handshake;
 mod mesh;
 mod ring;
 mod shm;

@@ -40,6 +40,7 @@ use std::sync::Mutex;
 
 use segment::{Segment, SegmentFile};
 
+use crate::rendezvous::OWNED_PREFIX;
 use crate::{Error, Result, TcpStore};
 
 /// The environment variable that switches shared memory off (`0`, `false` or `off`).
@@ -103,7 +104,10 @@ pub(crate) fn negotiate(
     slot_bytes: usize,
 ) -> Result<Option<SharedMemory>> {
     let generation = store.next_generation("shm");
-    let prefix = format!("accel/shm/{generation}");
+    // Each rank's keys are its own and write-once (see the store), so no
+    // other process can point the ranks at another file.
+    store.claim_rank(rank)?;
+    let key = |r: usize, name: &str| format!("{OWNED_PREFIX}{r}/shm/{generation}/{name}");
     // Room for one element per rank in a reduce-scatter step, cache-line sized.
     let slot_bytes = slot_bytes.max(8 * world).next_multiple_of(64);
     let (seg, mut file) = if rank == 0 {
@@ -114,13 +118,13 @@ pub(crate) fn negotiate(
         };
         let announce = created.as_ref().map(|(_, _, a)| a);
         let record = serde_json::to_vec(&announce).expect("plain fields serialize");
-        store.set(&format!("{prefix}/segment"), &record)?;
+        store.set(&key(0, "segment"), &record)?;
         match created {
             Some((seg, file, _)) => (Some(seg), Some(file)),
             None => (None, None),
         }
     } else {
-        let record = get(store, &format!("{prefix}/segment"), 0, world)?;
+        let record = get(store, &key(0, "segment"), 0, world)?;
         let announce: Option<Announce> = serde_json::from_slice(&record).unwrap_or(None);
         let seg = announce.filter(|_| wanted).and_then(|a| {
             Segment::open(&a.path, world, a.slot_bytes, a.nonce)
@@ -130,10 +134,10 @@ pub(crate) fn negotiate(
         (seg, None)
     };
     let ok = if seg.is_some() { b"1" } else { b"0" };
-    store.set(&format!("{prefix}/ok/{rank}"), ok)?;
+    store.set(&key(rank, "ok"), ok)?;
     let mut all = true;
     for q in (0..world).filter(|&q| q != rank) {
-        all &= get(store, &format!("{prefix}/ok/{q}"), q, world)? == b"1";
+        all &= get(store, &key(q, "ok"), q, world)? == b"1";
     }
     // Every rank has mapped the file or given up: the name is no longer needed.
     if let Some(file) = file.as_mut() {
