@@ -97,6 +97,7 @@ fn child(t: usize, reps: usize) -> Result<Value> {
 }
 
 fn main() -> Result<()> {
+    accel_core::init_logging();
     let args = Args::parse();
     if args.device != "cpu" {
         bail!(

@@ -62,6 +62,7 @@ fn model_config(layers: usize) -> GptConfig {
 }
 
 fn main() -> Result<()> {
+    accel_core::init_logging();
     let args = Args::parse();
     if let Some(dir) = &args.worker {
         return worker(&args, dir);

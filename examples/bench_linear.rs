@@ -55,6 +55,7 @@ fn parse_shape(s: &str) -> Result<(usize, usize)> {
 }
 
 fn main() -> Result<()> {
+    accel_core::init_logging();
     let args = Args::parse();
     anyhow::ensure!(args.reps > 0, "--reps must be at least 1");
     let shapes = if args.shapes.is_empty() {

@@ -117,6 +117,7 @@ fn ensure_checkpoint(model: Option<PathBuf>) -> Result<PathBuf> {
 }
 
 fn main() -> Result<()> {
+    accel_core::init_logging();
     let args = Args::parse();
     let dir = ensure_checkpoint(args.model.clone())?;
     if let Some(t) = args.child {

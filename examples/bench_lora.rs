@@ -334,6 +334,7 @@ fn ratio(a: &Value, b: &Value, field: &str) -> Value {
 }
 
 fn main() -> Result<()> {
+    accel_core::init_logging();
     let args = Args::parse();
     if args.batch == 0 || args.seq_len < 2 {
         bail!("--batch must be at least 1 and --seq-len at least 2 (a next-token loss)");

@@ -90,6 +90,7 @@ fn steps_per_round(kind: Kind) -> usize {
 }
 
 fn main() -> Result<()> {
+    accel_core::init_logging();
     let mut args = Args::parse();
     let dev = accel_examples::device_named(&args.device)?;
     let _ = DEVICE.set(dev);

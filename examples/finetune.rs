@@ -310,6 +310,7 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    accel_core::init_logging();
     accel_examples::exit_if_stopped(run())
 }
 

@@ -12,6 +12,7 @@ use accel_examples::finetune_candle::{run, Args};
 use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
+    accel_core::init_logging();
     run(&Args::parse(), &mut std::io::stdout().lock())?;
     Ok(())
 }

@@ -16,5 +16,6 @@ use accel_examples::finetune_hf::{run, Args};
 use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
+    accel_core::init_logging();
     run(&Args::parse(), &mut std::io::stdout().lock())
 }

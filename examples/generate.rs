@@ -22,5 +22,6 @@ use clap::Parser;
 static ALLOC: accel_core::bigmodel::MappedAlloc = accel_core::bigmodel::MappedAlloc::system();
 
 fn main() -> anyhow::Result<()> {
+    accel_core::init_logging();
     run(&Args::parse(), &mut std::io::stdout().lock())
 }

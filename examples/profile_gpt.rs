@@ -258,6 +258,7 @@ fn profile_gpt(args: &Args, dev: &Device, device: &str, round: usize) -> Result<
 }
 
 fn main() -> Result<()> {
+    accel_core::init_logging();
     let args = parse_args()?;
     let params = adamw_params();
     let names: Vec<&str> = match args.device.as_str() {

@@ -11,5 +11,6 @@ use accel_examples::train_gpt::{main_with, Args};
 use clap::Parser;
 
 fn main() -> anyhow::Result<()> {
+    accel_core::init_logging();
     main_with(&Args::parse())
 }
