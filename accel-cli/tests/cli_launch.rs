@@ -27,7 +27,7 @@ fn every_rank_gets_torchrun_variables_and_prefixed_output() {
     );
     for r in 0..3 {
         let want =
-            format!("[rank{r}]: rank={r} local={r} world=3 lws=3 addr=127.0.0.1 cpu=true token=32");
+            format!("[rank{r}]: rank={r} local={r} world=3 lws=3 addr=127.0.0.1 cpu=true token=64");
         assert!(
             text.lines().any(|l| l == want),
             "missing {want:?} in:\n{text}"

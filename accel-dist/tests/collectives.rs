@@ -79,8 +79,22 @@ impl World {
         let out = self.children[rank].stdout.as_mut().unwrap();
         let mut line = Vec::new();
         let mut byte = [0u8; 1];
-        while out.read(&mut byte).unwrap() == 1 && byte[0] != b'\n' {
+        let mut open = false;
+        while out.read(&mut byte).unwrap() == 1 {
+            open = true;
+            if byte[0] == b'\n' {
+                break;
+            }
             line.push(byte[0]);
+        }
+        if !open {
+            let mut err = String::new();
+            let _ = self.children[rank]
+                .stderr
+                .as_mut()
+                .unwrap()
+                .read_to_string(&mut err);
+            panic!("rank {rank} exited before printing a line; its stderr: {err}");
         }
         String::from_utf8_lossy(&line).into_owned()
     }

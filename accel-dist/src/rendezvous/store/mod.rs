@@ -234,6 +234,14 @@ impl Server {
                 match event.token() {
                     WAKER => return,
                     LISTENER => self.accept(),
+                    // A client that left while waiting on a key: nothing
+                    // reads its socket until the wait ends, so see it here.
+                    Token(id)
+                        if (event.is_read_closed() || event.is_error())
+                            && self.conns.get(&id).is_some_and(|c| c.waiting.is_some()) =>
+                    {
+                        self.close(id)
+                    }
                     Token(id) => self.drive(id),
                 }
             }
