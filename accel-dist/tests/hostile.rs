@@ -435,3 +435,28 @@ fn a_rogue_with_the_token_cannot_claim_a_rank_or_take_its_place_in_the_mesh() {
     assert_eq!(rank0.join().unwrap().unwrap(), 6.0);
     assert_eq!(rank2.join().unwrap().unwrap(), 6.0);
 }
+
+fn open_descriptors(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+#[test]
+fn a_client_that_leaves_while_waiting_on_a_key_is_closed_at_once() {
+    let (mut child, addr) = store_process(1024);
+    let before = open_descriptors(child.id());
+    let mut waiter = raw_client(addr);
+    // GET "never" with a wait of an hour.
+    send(
+        &mut waiter,
+        &[&[2u8][..], &str_field("never"), &3_600_000u64.to_le_bytes()].concat(),
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(open_descriptors(child.id()), before + 1);
+    drop(waiter);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(open_descriptors(child.id()), before);
+    drop(child.stdin.take());
+    child.wait().unwrap();
+}

@@ -203,3 +203,32 @@ fn a_single_process_group_uses_the_local_communicator() -> Result<()> {
     assert_eq!(v, [2.0]);
     Ok(())
 }
+
+#[test]
+fn many_clients_through_many_barriers_each_get_exactly_their_own_answers() -> Result<()> {
+    // Every barrier wakes the waiters of the one before while new requests
+    // arrive: a waiter answered twice shifts that client's answers by one.
+    let world = 8;
+    let host = TcpStore::host(loopback(), "tok", Duration::from_secs(20))?;
+    let addr = host.addr();
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            std::thread::spawn(move || -> Result<()> {
+                let c = TcpStore::connect(addr, "tok", Duration::from_secs(20))?;
+                for round in 0..40 {
+                    c.barrier("loop", rank, world)?;
+                    let key = format!("r{round}/{rank}");
+                    c.set(&key, key.as_bytes())?;
+                    let peer = format!("r{round}/{}", (rank + 1) % world);
+                    assert_eq!(c.get(&peer)?, peer.as_bytes());
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for r in ranks {
+        r.join().unwrap()?;
+    }
+    drop(host);
+    Ok(())
+}

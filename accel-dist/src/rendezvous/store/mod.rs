@@ -144,6 +144,7 @@ impl StoreServer {
             conns: HashMap::new(),
             next_id: 2,
             accept_paused_until: None,
+            dirty: false,
             dropped: 0,
             last_warning: None,
         };
@@ -210,6 +211,8 @@ struct Server {
     conns: HashMap<usize, Conn>,
     next_id: usize,
     accept_paused_until: Option<Instant>,
+    /// Whether the map changed since waiters were last checked.
+    dirty: bool,
     /// Strays dropped since the last warning.
     dropped: usize,
     last_warning: Option<Instant>,
@@ -253,6 +256,7 @@ impl Server {
                 self.accept();
             }
             self.expire();
+            self.settle();
         }
     }
 
@@ -327,9 +331,9 @@ impl Server {
     }
 
     /// Sends, reads and answers on connection `id` as far as it can go now.
+    /// Waiters its requests satisfy are answered by [`settle`](Self::settle).
     fn drive(&mut self, id: usize) {
         let now = Instant::now();
-        let mut changed = false;
         let closed = loop {
             let Some(conn) = self.conns.get_mut(&id) else {
                 return;
@@ -379,9 +383,9 @@ impl Server {
                 continue;
             }
             match self.state.handle(&frame, &mut conn.claimed, &conn.peer) {
-                Ok(Outcome::Reply { answer, changed: c }) => {
+                Ok(Outcome::Reply { answer, changed }) => {
                     conn.send(&answer);
-                    changed |= c;
+                    self.dirty |= changed;
                 }
                 Ok(Outcome::Wait(p)) => conn.waiting = Some(p),
                 Err(e) => conn.send(
@@ -394,20 +398,25 @@ impl Server {
         if closed {
             self.close(id);
         }
-        if changed {
-            self.wake_waiters();
-        }
     }
 
-    /// Answers every waiting client whose keys now exist.
-    fn wake_waiters(&mut self) {
-        let done: Vec<(usize, Vec<u8>)> = self
-            .conns
-            .iter()
-            .filter_map(|(id, c)| Some((*id, self.state.finish(c.waiting.as_ref()?)?)))
-            .collect();
-        for (id, answer) in done {
-            let conn = self.conns.get_mut(&id).expect("listed above");
+    /// Answers waiting clients whose keys now exist, one at a time, until
+    /// none is left: a client answered may send a request that satisfies
+    /// another, and each is answered exactly once.
+    fn settle(&mut self) {
+        if !self.dirty {
+            return;
+        }
+        loop {
+            let done = self.conns.iter().find_map(|(id, c)| {
+                let answer = self.state.finish(c.waiting.as_ref()?)?;
+                Some((*id, answer))
+            });
+            let Some((id, answer)) = done else {
+                self.dirty = false;
+                return;
+            };
+            let conn = self.conns.get_mut(&id).expect("found above");
             conn.waiting = None;
             conn.send(&answer);
             self.drive(id);
