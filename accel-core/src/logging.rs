@@ -6,6 +6,8 @@
 //! errors by default, and whatever `RUST_LOG` asks for when it is set
 //! (`RUST_LOG=accel_dist=debug`, `RUST_LOG=info`).
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 /// Installs a stderr subscriber at `warn`, or at the level `RUST_LOG` sets.
@@ -23,6 +25,8 @@ pub fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colours only on a terminal: logs captured to a file stay plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .try_init();
 }

@@ -40,7 +40,7 @@ const WAKER: Token = Token(1);
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 /// Longest a started frame may take to arrive in full.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
-/// Shortest interval between two warnings about dropped strays.
+/// Shortest interval between two warnings about strays.
 const WARN_EVERY: Duration = Duration::from_secs(5);
 
 /// The store's bounds; [`StoreLimits::from_env`] reads the `ACCEL_STORE_*` variables.
@@ -145,8 +145,7 @@ impl StoreServer {
             next_id: 2,
             accept_paused_until: None,
             dirty: false,
-            dropped: 0,
-            last_warning: None,
+            warnings: Warnings::default(),
         };
         let thread = std::thread::Builder::new()
             .name("accel-store".into())
@@ -213,9 +212,37 @@ struct Server {
     accept_paused_until: Option<Instant>,
     /// Whether the map changed since waiters were last checked.
     dirty: bool,
-    /// Strays dropped since the last warning.
-    dropped: usize,
-    last_warning: Option<Instant>,
+    warnings: Warnings,
+}
+
+/// Warnings about strays, at most one per [`WARN_EVERY`]: a flood of strays
+/// must not become a flood of log lines. The first is printed at once; the
+/// next one printed says how many were held back.
+#[derive(Default)]
+struct Warnings {
+    last: Option<Instant>,
+    held_back: usize,
+}
+
+impl Warnings {
+    fn warn(&mut self, msg: String) {
+        let now = Instant::now();
+        if self.last.is_some_and(|t| now < t + WARN_EVERY) {
+            self.held_back += 1;
+            return;
+        }
+        self.last = Some(now);
+        match std::mem::take(&mut self.held_back) {
+            0 => tracing::warn!("{msg}"),
+            n => tracing::warn!("{msg} ({n} more such warnings held back)"),
+        }
+    }
+
+    fn refused(&mut self, peer: &str, reason: &str) {
+        self.warn(format!(
+            "rendezvous store refused a connection from {peer}: {reason}"
+        ));
+    }
 }
 
 impl Server {
@@ -288,7 +315,9 @@ impl Server {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) if out_of_descriptors(&e) => {
                     if !self.drop_oldest_stray() {
-                        self.warn_dropped(&format!("accepting failed ({e}); pausing"));
+                        self.warnings.warn(format!(
+                            "rendezvous store: accepting failed ({e}); pausing {ACCEPT_PAUSE:?}"
+                        ));
                         self.accept_paused_until = Some(Instant::now() + ACCEPT_PAUSE);
                     }
                 }
@@ -307,27 +336,14 @@ impl Server {
             .min_by_key(|(_, c)| c.opened)
             .map(|(id, _)| *id);
         let Some(id) = oldest else { return false };
+        let peer = self.conns[&id].peer.clone();
         self.close(id);
-        self.dropped += 1;
         let max = self.limits.max_unauthenticated;
-        self.warn_dropped(&format!(
-            "more than {max} connections were not authenticated"
+        self.warnings.warn(format!(
+            "rendezvous store: more than {max} connections were not authenticated; dropped the \
+             oldest, from {peer}"
         ));
         true
-    }
-
-    /// Warns at most once per [`WARN_EVERY`], counting what was dropped meanwhile.
-    fn warn_dropped(&mut self, why: &str) {
-        let now = Instant::now();
-        if self.last_warning.is_some_and(|t| now < t + WARN_EVERY) {
-            return;
-        }
-        self.last_warning = Some(now);
-        let dropped = std::mem::take(&mut self.dropped);
-        tracing::warn!(
-            dropped,
-            "rendezvous store: {why}; dropped the oldest strays"
-        );
     }
 
     /// Sends, reads and answers on connection `id` as far as it can go now.
@@ -365,7 +381,7 @@ impl Server {
                     }
                     _ => {
                         let reason = format!("no valid handshake: {e}");
-                        tracing::warn!(peer = %conn.peer, %reason, "rendezvous store refused a connection");
+                        self.warnings.refused(&conn.peer, &reason);
                         conn.refuse(&reason);
                         continue;
                     }
@@ -375,7 +391,7 @@ impl Server {
                 match conn.handshake(&frame, &self.token, self.limits.max_frame) {
                     Ok(Step::Continue) | Ok(Step::Authenticated) => {}
                     Ok(Step::Refused(reason)) => {
-                        tracing::warn!(peer = %conn.peer, %reason, "rendezvous store refused a connection");
+                        self.warnings.refused(&conn.peer, &reason);
                         conn.refuse(&reason);
                     }
                     Err(_) => break true,
@@ -442,7 +458,11 @@ impl Server {
             match self::deadline(c, &self.limits) {
                 Some((t, why)) if now >= t => {
                     if !c.authenticated() {
-                        tracing::warn!(peer = %c.peer, "rendezvous store closed a connection: {why}");
+                        let msg = format!(
+                            "rendezvous store closed a connection from {}: {why}",
+                            c.peer
+                        );
+                        self.warnings.warn(msg);
                     } else {
                         tracing::debug!(peer = %c.peer, "rendezvous store closed a connection: {why}");
                     }
