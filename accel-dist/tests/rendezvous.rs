@@ -232,3 +232,21 @@ fn many_clients_through_many_barriers_each_get_exactly_their_own_answers() -> Re
     drop(host);
     Ok(())
 }
+
+#[test]
+fn a_store_that_died_is_an_error_at_once_not_at_the_timeout() -> Result<()> {
+    let server = StoreServer::bind(loopback(), "tok")?;
+    let addr = server.local_addr();
+    let client = TcpStore::connect(addr, "tok", Duration::from_secs(120))?;
+    client.set("k", b"v")?;
+    drop(server);
+    let start = Instant::now();
+    let err = client.set("k", b"w").unwrap_err();
+    assert!(
+        start.elapsed() < Duration::from_secs(8),
+        "after {:?}",
+        start.elapsed()
+    );
+    assert!(err.to_string().contains(&addr.to_string()), "{err}");
+    Ok(())
+}

@@ -14,6 +14,8 @@ use crate::{Error, ProcessGroupConfig, Result};
 /// Extra time the client waits for an answer beyond the wait it asked the
 /// server for, so a slow server is not mistaken for a missing key.
 const ANSWER_SLACK: Duration = Duration::from_secs(10);
+/// How long a reconnect after the store closed the connection may take.
+const RECONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A connection to the rendezvous key-value store (PyTorch's `TCPStore`).
 ///
@@ -58,7 +60,7 @@ impl TcpStore {
     pub fn connect(addr: SocketAddr, token: &str, timeout: Duration) -> Result<Self> {
         check_token(token)?;
         let max_frame = StoreLimits::from_env()?.max_frame;
-        let stream = open(addr, token, timeout)?;
+        let stream = open(addr, token, timeout, true)?;
         let local_ip = stream
             .local_addr()
             .map_err(|e| {
@@ -296,7 +298,11 @@ impl TcpStore {
         match self.exchange(&conn, body, wait) {
             Err(e) if closed(&e) => {
                 tracing::debug!(addr = %self.addr, "store connection closed; reconnecting");
-                *conn = open(self.addr, &self.token, self.timeout)?;
+                // The store was up a moment ago: if it does not take a new
+                // connection soon, it is gone, and waiting the whole timeout
+                // would only delay the error.
+                let timeout = self.timeout.min(RECONNECT_TIMEOUT);
+                *conn = open(self.addr, &self.token, timeout, false)?;
                 let claimed = self
                     .claimed
                     .lock()
@@ -395,8 +401,10 @@ fn closed(e: &io::Error) -> bool {
     )
 }
 
-/// Connects and authenticates, retrying until `timeout` while the store is not up yet.
-fn open(addr: SocketAddr, token: &str, timeout: Duration) -> Result<TcpStream> {
+/// Connects and authenticates, retrying until `timeout` while the store is
+/// not up yet; when not `patient`, a refused connection (no store listening)
+/// fails at once.
+fn open(addr: SocketAddr, token: &str, timeout: Duration, patient: bool) -> Result<TcpStream> {
     let start = Instant::now();
     let mut backoff = Duration::from_millis(5);
     loop {
@@ -410,7 +418,10 @@ fn open(addr: SocketAddr, token: &str, timeout: Duration) -> Result<TcpStream> {
                     reason,
                 })
             }
-            Err(e) if start.elapsed() + backoff >= timeout => {
+            Err(e)
+                if start.elapsed() + backoff >= timeout
+                    || (!patient && e.kind() == io::ErrorKind::ConnectionRefused) =>
+            {
                 return Err(Error::StoreUnreachable {
                     addr: addr.to_string(),
                     waited: timeout,

@@ -257,7 +257,12 @@ pub(super) fn accept_peers(
             });
         }
         let mut busy = false;
-        while let Some(stream) = listeners.try_accept().map_err(accepting)? {
+        // At most a full table of new connections per turn, so a flood
+        // cannot keep the pending handshakes from being read.
+        for _ in 0..MAX_PENDING {
+            let Some(stream) = listeners.try_accept().map_err(accepting)? else {
+                break;
+            };
             busy = true;
             if stream.set_nonblocking(true).is_err() {
                 continue;

@@ -38,6 +38,8 @@ const LISTENER: Token = Token(0);
 const WAKER: Token = Token(1);
 /// Pause after an accept failed for lack of descriptors and no stray was left to drop.
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+/// Connections accepted per turn of the loop.
+const ACCEPT_BURST: usize = 128;
 /// Longest a started frame may take to arrive in full.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 /// Shortest interval between two warnings about strays.
@@ -144,6 +146,7 @@ impl StoreServer {
             conns: HashMap::new(),
             next_id: 2,
             accept_paused_until: None,
+            accept_more: false,
             dirty: false,
             warnings: Warnings::default(),
         };
@@ -210,6 +213,8 @@ struct Server {
     conns: HashMap<usize, Conn>,
     next_id: usize,
     accept_paused_until: Option<Instant>,
+    /// Whether the last [`accept`](Self::accept) stopped at its burst limit.
+    accept_more: bool,
     /// Whether the map changed since waiters were last checked.
     dirty: bool,
     warnings: Warnings,
@@ -249,10 +254,14 @@ impl Server {
     fn run(&mut self) {
         let mut events = Events::with_capacity(256);
         loop {
-            let timeout = self.next_deadline().map(|d| {
-                d.saturating_duration_since(Instant::now())
-                    .max(Duration::from_millis(1))
-            });
+            let timeout = match self.accept_more {
+                // Connections are still queued: serve the ready clients, then come back.
+                true => Some(Duration::ZERO),
+                false => self.next_deadline().map(|d| {
+                    d.saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(1))
+                }),
+            };
             if let Err(e) = self.poll.poll(&mut events, timeout) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -281,6 +290,8 @@ impl Server {
             {
                 self.accept_paused_until = None;
                 self.accept();
+            } else if self.accept_more {
+                self.accept();
             }
             self.expire();
             self.settle();
@@ -288,8 +299,14 @@ impl Server {
     }
 
     /// Accepts every waiting connection.
+    /// Accepts waiting connections, at most [`ACCEPT_BURST`] per call so a
+    /// flood cannot starve the clients already connected.
     fn accept(&mut self) {
-        while self.accept_paused_until.is_none() {
+        self.accept_more = false;
+        for _ in 0..ACCEPT_BURST {
+            if self.accept_paused_until.is_some() {
+                return;
+            }
             match self.listener.accept() {
                 Ok((mut stream, peer)) => {
                     let _ = stream.set_nodelay(true);
@@ -325,6 +342,7 @@ impl Server {
                 Err(_) => {}
             }
         }
+        self.accept_more = true;
     }
 
     /// Drops the unauthenticated connection open the longest; false if none is.
