@@ -59,7 +59,7 @@ fn as_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>> {
     Ok(match s {
         CpuStorage::F32(v) => Cow::Borrowed(&v[start..end]),
         CpuStorage::F16(v) => Cow::Owned(convert(&v[start..end], f16::to_f32)),
-        CpuStorage::BF16(v) => Cow::Owned(convert(&v[start..end], bf16::to_f32)),
+        CpuStorage::BF16(v) => Cow::Owned(convert(&v[start..end], bf16_to_f32)),
         other => bail!(
             "fused kernels support f32, f16 and bf16, got {:?}",
             other.dtype()
@@ -70,12 +70,17 @@ fn as_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>> {
 /// `v` converted value by value, in parallel chunks, each output written
 /// once (no serial zero fill first): halves to f32 and back around the
 /// fused kernels (a 1 GB bf16 weight took a serial second here).
-fn convert<S: Copy + Sync, T: Copy + Default + Send>(v: &[S], f: impl Fn(S) -> T + Sync) -> Vec<T> {
-    raw::par::new_vec(v.len(), CHUNK, |i, out| {
-        for (o, &x) in out.iter_mut().zip(&v[i * CHUNK..]) {
-            *o = f(x)
-        }
-    })
+fn convert<S: Copy + Sync, T: Copy + Send>(v: &[S], f: impl Fn(S) -> T + Sync) -> Vec<T> {
+    raw::par::map_values(v, CHUNK, f)
+}
+
+/// `x` widened as `bf16::to_f32` does (a NaN is quieted), branch-free so
+/// the conversion loops vectorise.
+#[inline(always)]
+fn bf16_to_f32(x: bf16) -> f32 {
+    let b = x.to_bits() as u32;
+    let nan = (b & 0x7fff) > 0x7f80;
+    f32::from_bits((if nan { b | 0x40 } else { b }) << 16)
 }
 
 /// `x` rounded to bf16 as `bf16::from_f32` does, branch-free so the
@@ -224,6 +229,32 @@ fn rows_per_task(rows: usize, row_len: usize) -> usize {
 
 /// Elements per parallel task for elementwise kernels.
 const CHUNK: usize = 16 * 1024;
+
+#[cfg(test)]
+mod conversion_tests {
+    use half::bf16;
+
+    use super::{bf16_to_f32, convert, to_bf16};
+
+    #[test]
+    fn conversions_match_half_bit_for_bit_on_every_bf16_and_every_rounding_case() {
+        let halves: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+        let wide = convert(&halves, bf16_to_f32);
+        for (h, w) in halves.iter().zip(&wide) {
+            assert_eq!(w.to_bits(), h.to_f32().to_bits(), "{:#06x}", h.to_bits());
+        }
+        // Every high half with the low halves around the rounding tie.
+        let floats: Vec<f32> = (0..=u16::MAX as u32)
+            .flat_map(|hi| [0, 1, 0x7fff, 0x8000, 0x8001, 0xffff].map(|lo| (hi << 16) | lo))
+            .map(f32::from_bits)
+            .collect();
+        let narrow = convert(&floats, to_bf16);
+        for (f, n) in floats.iter().zip(&narrow) {
+            let want = bf16::from_f32(*f).to_bits();
+            assert_eq!(n.to_bits(), want, "{:#010x}", f.to_bits());
+        }
+    }
+}
 
 #[cfg(test)]
 mod determinism_tests {

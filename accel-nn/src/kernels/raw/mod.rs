@@ -499,6 +499,63 @@ pub(crate) mod par {
         v
     }
 
+    /// `f` of every value of `src`, in a new buffer built in parallel
+    /// chunks of `size`, each output written once (no zero fill first), with
+    /// the loop compiled for AVX-512 where the CPU has it. Baseline x86-64
+    /// code narrows f32 to bf16 at 0.38 ns a value (SSE2, 4 lanes); the
+    /// AVX-512 loop takes 0.18 (both on 512 Ki values on this machine), and
+    /// these conversions around the fused kernels were ~8% of a bf16 LoRA
+    /// step's CPU time.
+    pub(crate) fn map_values<S: Copy + Sync, T: Copy + Send>(
+        src: &[S],
+        size: usize,
+        f: impl Fn(S) -> T + Sync,
+    ) -> Vec<T> {
+        let len = src.len();
+        let mut v: Vec<T> = Vec::with_capacity(len);
+        let size = size.max(1);
+        chunks_mut(&mut v.spare_capacity_mut()[..len], size, |i, out| {
+            map_into(&src[i * size..], out, &f)
+        });
+        // SAFETY: the chunks cover `0..len` (capacity >= len) and
+        // `map_into` wrote every element of each; a panic in `f` propagates
+        // out of `chunks_mut` before this line, dropping `v` at length 0.
+        unsafe { v.set_len(len) };
+        v
+    }
+
+    /// `out[i] = f(src[i])` for every `i < out.len()`.
+    fn map_into<S: Copy, T>(src: &[S], out: &mut [std::mem::MaybeUninit<T>], f: &impl Fn(S) -> T) {
+        #[inline(always)]
+        fn imp<S: Copy, T>(src: &[S], out: &mut [std::mem::MaybeUninit<T>], f: &impl Fn(S) -> T) {
+            assert!(src.len() >= out.len(), "map_values: short source");
+            for (o, &x) in out.iter_mut().zip(src) {
+                o.write(f(x));
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512bw")]
+            unsafe fn avx512<S: Copy, T>(
+                src: &[S],
+                out: &mut [std::mem::MaybeUninit<T>],
+                f: &impl Fn(S) -> T,
+            ) {
+                imp(src, out, f)
+            }
+            static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let wide = *AVX512.get_or_init(|| {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+            });
+            if wide {
+                // SAFETY: the CPU supports the enabled features.
+                return unsafe { avx512(src, out, f) };
+            }
+        }
+        imp(src, out, f)
+    }
+
     /// `f(i)` for every `i < n` in parallel, collected in order.
     pub(crate) fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();
