@@ -76,6 +76,29 @@ pub fn row_norm_backward(
     off()
 }
 
+/// SwiGLU of two f32 storages on a CUDA device; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn swiglu_forward(
+    _g: (&CudaStorage, &Layout),
+    _u: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    off()
+}
+
+/// The gradients of [`swiglu_forward`]; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn swiglu_backward(
+    _g: (&CudaStorage, &Layout),
+    _u: (&CudaStorage, &Layout),
+    _dy: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    off()
+}
+
 pub(crate) fn storage_key(_storage: &Storage) -> Option<usize> {
     None
 }

@@ -17,6 +17,7 @@ use cudarc::driver::{
 };
 
 use super::operands::Table;
+use super::pointwise::PointwiseArgs;
 use super::row_args::{RowArgs, ROWS_PER_PARTIAL};
 use super::{function, KernelId, WrapDriver};
 use crate::{Error, Result};
@@ -383,4 +384,56 @@ pub(crate) fn trim_pool(ctx: &Arc<CudaContext>) -> Result<()> {
     // SAFETY: `pool` is the device's live current pool; trimming only
     // releases memory no allocation holds.
     unsafe { result::mem_pool::trim_to(pool, 0) }.w("memory_pool", "cuMemPoolTrimTo")
+}
+
+/// Launches an element-wise kernel of `act.cu` on `dev`'s stream, grid-stride
+/// over its `n` elements.
+pub(crate) fn launch_pointwise(
+    op: &'static str,
+    dev: &CudaDevice,
+    args: PointwiseArgs<'_>,
+) -> Result<()> {
+    let bad = || Error::InvalidArgument {
+        op,
+        reason: "internal: an operand too short for its element-wise kernel".into(),
+    };
+    let cfg = |n: u64| LaunchConfig {
+        grid_dim: (
+            n.div_ceil(u64::from(BLOCK)).clamp(1, u64::from(MAX_BLOCKS)) as u32,
+            1,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    match args {
+        PointwiseArgs::SwigluForward { g, u, y, n } => {
+            let len = usize::try_from(n).map_err(|_| bad())?;
+            if g.len() < len || u.len() < len || y.len() < len {
+                return Err(bad());
+            }
+            let func = function(dev, KernelId::SwigluFwd)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(g).arg(u).arg(y).arg(&n);
+            // SAFETY: `swiglu_fwd(g, u, y, n)`'s parameters in order and C
+            // types (device f32 pointers, u64); it reads `n` elements of g
+            // and u and writes `n` of y: the lengths checked above.
+            unsafe { l.launch(cfg(n)) }.w(op, "launch")?;
+        }
+        PointwiseArgs::SwigluBackward { g, u, dy, dgu, n } => {
+            let len = usize::try_from(n).map_err(|_| bad())?;
+            if g.len() < len || u.len() < len || dy.len() < len || dgu.len() < 2 * len {
+                return Err(bad());
+            }
+            let func = function(dev, KernelId::SwigluBwd)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(g).arg(u).arg(dy).arg(dgu).arg(&n);
+            // SAFETY: `swiglu_bwd(g, u, dy, dgu, n)`'s parameters in order
+            // and C types; it reads `n` elements of g, u and dy and writes
+            // `2 n` of dgu: the lengths checked above.
+            unsafe { l.launch(cfg(n)) }.w(op, "launch")?;
+        }
+    }
+    Ok(())
 }

@@ -64,6 +64,7 @@
 mod launch;
 mod operands;
 mod ops;
+mod pointwise;
 mod pool;
 mod row_args;
 mod rows;
@@ -80,6 +81,7 @@ use crate::{Error, Result};
 
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
+pub use pointwise::{swiglu_backward, swiglu_forward};
 pub use pool::{empty_cache, mem_get_info, retain_freed_memory};
 pub use rows::{row_norm_backward, row_norm_forward};
 
@@ -115,24 +117,28 @@ pub(crate) enum ModuleId {
     Norm,
     /// `rownorm.cu`: layer norm and RMS norm over rows, forward and backward.
     RowNorm,
+    /// `act.cu`: SwiGLU, forward and backward.
+    Act,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 5] = [
+const MODULES: [(&str, &str); 6] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
     ("norm", include_str!("norm.cu")),
     ("rownorm", include_str!("rownorm.cu")),
+    ("act", include_str!("act.cu")),
 ];
 
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 5] = [
+pub(crate) const ALL_MODULES: [ModuleId; 6] = [
     ModuleId::Cast,
     ModuleId::Unscale,
     ModuleId::Optim,
     ModuleId::Norm,
     ModuleId::RowNorm,
+    ModuleId::Act,
 ];
 
 impl ModuleId {
@@ -209,6 +215,8 @@ kernels! {
     RowNormBwdDx => RowNorm, "rownorm_bwd_dx";
     RowNormBwdPartials => RowNorm, "rownorm_bwd_partials";
     RowNormBwdSum => RowNorm, "rownorm_bwd_sum";
+    SwigluFwd => Act, "swiglu_fwd";
+    SwigluBwd => Act, "swiglu_bwd";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).

@@ -21,7 +21,7 @@ use crate::{Error, Result};
 
 /// The contiguous f32 elements of `(s, l)` as a view; `index` names the
 /// operand in errors.
-fn f32_view<'a>(
+pub(super) fn f32_view<'a>(
     op: &'static str,
     index: usize,
     s: &'a CudaStorage,

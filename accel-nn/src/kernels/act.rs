@@ -4,7 +4,9 @@
 //! memory and a thread hand-off; here forward and backward are one pass.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor,
+};
 
 use super::raw::par;
 use super::{as_f32, from_f32, math, tensor_from_f32, with_f32, CHUNK};
@@ -94,7 +96,10 @@ impl CustomOp1 for Pointwise {
 
 struct SwiGlu;
 
-/// `silu(gate) * up` on CPU tensors of one shape, differentiable in both.
+/// `silu(gate) * up` on tensors of one shape, differentiable in both: CPU
+/// tensors of the fused dtypes, or f32 CUDA tensors (`act.cu`, one kernel
+/// each way; `ops::swiglu` does not route CUDA tensors here until a GPU run
+/// has checked them against this CPU kernel, see `ops::SWIGLU_ON_CUDA`).
 pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
 }
@@ -141,6 +146,18 @@ impl CustomOp2 for SwiGlu {
         Ok((from_f32(y, s1.dtype())?, l1.shape().clone()))
     }
 
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let y = accel_kernels::cuda::swiglu_forward((s1, l1), (s2, l2))
+            .map_err(candle_core::Error::wrap)?;
+        Ok((y, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         gate: &Tensor,
@@ -148,6 +165,16 @@ impl CustomOp2 for SwiGlu {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if gate.device().is_cuda() {
+            // One op computing both gradients into one buffer (`[dg | du]`),
+            // then views of it.
+            let n = gate.elem_count();
+            let packed = grad.contiguous()?.apply_op3_no_bwd(gate, up, &SwiGluGrad)?;
+            return Ok((
+                Some(packed.narrow(0, 0, n)?.reshape(gate.shape())?),
+                Some(packed.narrow(0, n, n)?.reshape(up.shape())?),
+            ));
+        }
         let n = gate.elem_count();
         let (mut dg, mut du) = (vec![0f32; n], vec![0f32; n]);
         with_f32(gate, |g| {
@@ -165,5 +192,41 @@ impl CustomOp2 for SwiGlu {
             Some(tensor_from_f32(dg, gate.shape(), gate.dtype())?),
             Some(tensor_from_f32(du, up.shape(), up.dtype())?),
         ))
+    }
+}
+
+/// The gradients of [`SwiGlu`] on CUDA, as one op over `(grad, gate, up)`
+/// with no backward of its own.
+struct SwiGluGrad;
+
+impl CustomOp3 for SwiGluGrad {
+    fn name(&self) -> &'static str {
+        "accel-swiglu-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("accel-swiglu-grad runs on CUDA only (the CPU backward is SwiGlu::bwd)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        dy: &CudaStorage,
+        dyl: &Layout,
+        g: &CudaStorage,
+        gl: &Layout,
+        u: &CudaStorage,
+        ul: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let out = accel_kernels::cuda::swiglu_backward((g, gl), (u, ul), (dy, dyl))
+            .map_err(candle_core::Error::wrap)?;
+        Ok((out, Shape::from(2 * gl.shape().elem_count())))
     }
 }

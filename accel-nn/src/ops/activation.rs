@@ -1,10 +1,10 @@
 //! Activations with fused CPU forward/backward, and [`Activation`], the
 //! enum HF configs name them by.
 
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 use serde::Deserialize;
 
-use super::{fused, upcast};
+use super::{fused, fused_cuda, upcast};
 use crate::kernels::{self, Act};
 
 /// A pointwise activation as named in Hugging Face configs
@@ -74,6 +74,11 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
     Activation::Relu.forward(x)
 }
 
+/// Whether CUDA tensors take the SwiGLU kernels of `act.cu`. Off until a GPU
+/// run of `scripts/gpu_check.sh` has checked them against the CPU kernel
+/// (`accel-nn/tests/cuda_ops.rs`); they compile in CI but have never run.
+const SWIGLU_ON_CUDA: bool = false;
+
 /// `silu(gate) * up`, the gated MLP of Llama-style models, in one pass.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.dims() != up.dims() {
@@ -85,6 +90,9 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     }
     if fused(gate) && gate.dtype() == up.dtype() {
         kernels::swiglu(gate, up)
+    } else if SWIGLU_ON_CUDA && fused_cuda(gate) && gate.dtype() == up.dtype() {
+        kernels::swiglu(&gate.to_dtype(DType::F32)?, &up.to_dtype(DType::F32)?)?
+            .to_dtype(gate.dtype())
     } else {
         composed_swiglu(gate, up)
     }
@@ -140,6 +148,56 @@ mod tests {
             20,
             &|xs| swiglu(&xs[0], &xs[1]),
             &|xs| composed_swiglu(&xs[0], &xs[1]),
+        )
+    }
+
+    /// The SwiGLU kernels of `act.cu` against the CPU kernel, forward and
+    /// both gradients, on sizes that do not fill a block and one that takes
+    /// the grid-stride loop; bf16 inputs through the f32 conversion
+    /// `ops::swiglu` wraps them in. What must pass before `SWIGLU_ON_CUDA`.
+    #[test]
+    #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+    fn cuda_swiglu_matches_the_cpu_kernel_and_its_gradients() -> Result<()> {
+        let gpu = accel_kernels::cuda_device(0)
+            .unwrap_or_else(|e| panic!("needs a CUDA device (build with --features cuda): {e}"));
+        let cpu = candle_core::Device::Cpu;
+        for (k, n) in [1usize, 255, 1000, 3 << 21].into_iter().enumerate() {
+            let seed = 40 + 4 * k as u64;
+            let (g, u, dy) = (
+                randn(&[n], seed, 3.0)?,
+                randn(&[n], seed + 1, 1.0)?,
+                randn(&[n], seed + 2, 1.0)?,
+            );
+            let run = |dev: &candle_core::Device| -> Result<Vec<Tensor>> {
+                let gv = candle_core::Var::from_tensor(&g.to_device(dev)?)?;
+                let uv = candle_core::Var::from_tensor(&u.to_device(dev)?)?;
+                let y = kernels::swiglu(gv.as_tensor(), uv.as_tensor())?;
+                let grads = (&y * dy.to_device(dev)?)?.sum_all()?.backward()?;
+                let grad = |v: &candle_core::Var| grads.get(v).expect("a gradient").to_device(&cpu);
+                Ok(vec![y.to_device(&cpu)?, grad(&gv)?, grad(&uv)?])
+            };
+            let (want, got) = (run(&cpu)?, run(&gpu)?);
+            for (name, (w, g)) in ["y", "dgate", "dup"].iter().zip(want.iter().zip(&got)) {
+                assert_close(g, w, 1e-5, &format!("{name} [{n}]"))?;
+            }
+        }
+        // bf16 on the GPU as `ops::swiglu` would run it, against the CPU's bf16 path.
+        let (g, u) = (
+            randn(&[4, 96], 60, 3.0)?.to_dtype(DType::BF16)?,
+            randn(&[4, 96], 61, 1.0)?.to_dtype(DType::BF16)?,
+        );
+        let on_gpu = kernels::swiglu(
+            &g.to_device(&gpu)?.to_dtype(DType::F32)?,
+            &u.to_device(&gpu)?.to_dtype(DType::F32)?,
+        )?
+        .to_dtype(DType::BF16)?
+        .to_device(&cpu)?;
+        let want = swiglu(&g, &u)?;
+        assert_close(
+            &on_gpu.to_dtype(DType::F32)?,
+            &want.to_dtype(DType::F32)?,
+            1e-2,
+            "bf16",
         )
     }
 

@@ -1,0 +1,105 @@
+//! Element-wise kernels on f32 storages (`act.cu`): SwiGLU forward and
+//! backward, for accel-nn's `swiglu` on CUDA, one launch each instead of the
+//! composed path's eight ops forward and more backward. Like the row norms
+//! they take candle storages and layouts, what a `CustomOp`'s `cuda_fwd` is
+//! handed, and write a new storage.
+
+use candle_core::cuda::CudaStorage;
+use candle_core::Layout;
+use cudarc::driver::{CudaSlice, CudaView};
+
+use super::launch::launch_pointwise;
+use super::rows::f32_view;
+use super::WrapDriver;
+use crate::{Error, Result};
+
+/// The arguments of each kernel of `act.cu`, in its parameter order; the
+/// lengths are checked against `n` before launching.
+pub(crate) enum PointwiseArgs<'a> {
+    /// `swiglu_fwd(g, u, y, n)`.
+    SwigluForward {
+        g: &'a CudaView<'a, f32>,
+        u: &'a CudaView<'a, f32>,
+        y: &'a mut CudaSlice<f32>,
+        n: u64,
+    },
+    /// `swiglu_bwd(g, u, dy, dgu, n)`.
+    SwigluBackward {
+        g: &'a CudaView<'a, f32>,
+        u: &'a CudaView<'a, f32>,
+        dy: &'a CudaView<'a, f32>,
+        dgu: &'a mut CudaSlice<f32>,
+        n: u64,
+    },
+}
+
+/// The element count every operand must share.
+fn same_shape(op: &'static str, layouts: &[&Layout]) -> Result<usize> {
+    let first = layouts[0].dims();
+    if let Some(other) = layouts.iter().find(|l| l.dims() != first) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("operands {first:?} and {:?} differ", other.dims()),
+        });
+    }
+    Ok(layouts[0].shape().elem_count())
+}
+
+/// `silu(g) * u` of two f32 storages of one shape, as accel-nn's CPU
+/// kernel computes it (to a few ulps: `expf` is not its `exp`).
+///
+/// # Errors
+/// Non-f32 or non-contiguous operands, different shapes, driver errors.
+pub fn swiglu_forward(
+    g: (&CudaStorage, &Layout),
+    u: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    const OP: &str = "swiglu_forward";
+    let n = same_shape(OP, &[g.1, u.1])?;
+    let dev = g.0.device.clone();
+    let gv = f32_view(OP, 0, g.0, g.1)?;
+    let uv = f32_view(OP, 1, u.0, u.1)?;
+    // Zeroed (cudarc's unset `alloc` is unsafe): the kernel writes every element.
+    let mut y: CudaSlice<f32> = dev.cuda_stream().alloc_zeros(n).w(OP, "alloc")?;
+    if n > 0 {
+        let args = PointwiseArgs::SwigluForward {
+            g: &gv,
+            u: &uv,
+            y: &mut y,
+            n: n as u64,
+        };
+        launch_pointwise(OP, &dev, args)?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// The gradients of [`swiglu_forward`] for the output gradient `dy`: one
+/// f32 storage of `2 n` elements, the gate's gradient then the up
+/// projection's.
+///
+/// # Errors
+/// As [`swiglu_forward`]; `dy` must have the operands' shape.
+pub fn swiglu_backward(
+    g: (&CudaStorage, &Layout),
+    u: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    const OP: &str = "swiglu_backward";
+    let n = same_shape(OP, &[g.1, u.1, dy.1])?;
+    let dev = g.0.device.clone();
+    let gv = f32_view(OP, 0, g.0, g.1)?;
+    let uv = f32_view(OP, 1, u.0, u.1)?;
+    let dyv = f32_view(OP, 2, dy.0, dy.1)?;
+    let mut dgu: CudaSlice<f32> = dev.cuda_stream().alloc_zeros(2 * n).w(OP, "alloc")?;
+    if n > 0 {
+        let args = PointwiseArgs::SwigluBackward {
+            g: &gv,
+            u: &uv,
+            dy: &dyv,
+            dgu: &mut dgu,
+            n: n as u64,
+        };
+        launch_pointwise(OP, &dev, args)?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(dgu, dev))
+}
