@@ -99,6 +99,28 @@ pub fn swiglu_backward(
     off()
 }
 
+pub use crate::activation::Activation;
+
+/// A pointwise activation on a CUDA device; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn activation_forward(_x: (&CudaStorage, &Layout), _act: Activation) -> Result<CudaStorage> {
+    off()
+}
+
+/// The gradient of [`activation_forward`]; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn activation_backward(
+    _x: (&CudaStorage, &Layout),
+    _dy: (&CudaStorage, &Layout),
+    _act: Activation,
+) -> Result<CudaStorage> {
+    off()
+}
+
 pub(crate) fn storage_key(_storage: &Storage) -> Option<usize> {
     None
 }

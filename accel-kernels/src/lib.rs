@@ -55,6 +55,7 @@
 #![warn(missing_docs)]
 #![deny(unsafe_code)]
 
+mod activation;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

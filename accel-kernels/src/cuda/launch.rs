@@ -434,6 +434,32 @@ pub(crate) fn launch_pointwise(
             // `2 n` of dgu: the lengths checked above.
             unsafe { l.launch(cfg(n)) }.w(op, "launch")?;
         }
+        PointwiseArgs::ActForward { x, y, n, act } => {
+            let len = usize::try_from(n).map_err(|_| bad())?;
+            if x.len() < len || y.len() < len {
+                return Err(bad());
+            }
+            let func = function(dev, KernelId::ActFwd)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(x).arg(y).arg(&n).arg(&act);
+            // SAFETY: `act_fwd(x, y, n, act)`'s parameters in order and C
+            // types (f32 pointers, u64, int); it reads `n` elements of x and
+            // writes `n` of y: the lengths checked above.
+            unsafe { l.launch(cfg(n)) }.w(op, "launch")?;
+        }
+        PointwiseArgs::ActBackward { x, dy, dx, n, act } => {
+            let len = usize::try_from(n).map_err(|_| bad())?;
+            if x.len() < len || dy.len() < len || dx.len() < len {
+                return Err(bad());
+            }
+            let func = function(dev, KernelId::ActBwd)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(x).arg(dy).arg(dx).arg(&n).arg(&act);
+            // SAFETY: `act_bwd(x, dy, dx, n, act)`'s parameters in order and
+            // C types; it reads `n` elements of x and dy and writes `n` of
+            // dx: the lengths checked above.
+            unsafe { l.launch(cfg(n)) }.w(op, "launch")?;
+        }
     }
     Ok(())
 }

@@ -81,7 +81,9 @@ use crate::{Error, Result};
 
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
-pub use pointwise::{swiglu_backward, swiglu_forward};
+pub use pointwise::{
+    activation_backward, activation_forward, swiglu_backward, swiglu_forward, Activation,
+};
 pub use pool::{empty_cache, mem_get_info, retain_freed_memory};
 pub use rows::{row_norm_backward, row_norm_forward};
 
@@ -117,7 +119,7 @@ pub(crate) enum ModuleId {
     Norm,
     /// `rownorm.cu`: layer norm and RMS norm over rows, forward and backward.
     RowNorm,
-    /// `act.cu`: SwiGLU, forward and backward.
+    /// `act.cu`: SwiGLU and the pointwise activations, forward and backward.
     Act,
 }
 
@@ -217,6 +219,8 @@ kernels! {
     RowNormBwdSum => RowNorm, "rownorm_bwd_sum";
     SwigluFwd => Act, "swiglu_fwd";
     SwigluBwd => Act, "swiglu_bwd";
+    ActFwd => Act, "act_fwd";
+    ActBwd => Act, "act_bwd";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).

@@ -1,6 +1,8 @@
-//! Element-wise kernels on f32 storages (`act.cu`): SwiGLU forward and
-//! backward, for accel-nn's `swiglu` on CUDA, one launch each instead of the
-//! composed path's eight ops forward and more backward. Like the row norms
+//! Element-wise kernels on f32 storages (`act.cu`): SwiGLU and the
+//! pointwise activations, forward and backward, for accel-nn's `swiglu` and
+//! activations on CUDA, one launch each instead of the composed path's
+//! several ops forward and more backward (an exact GELU backward composes a
+//! dozen). Like the row norms
 //! they take candle storages and layouts, what a `CustomOp`'s `cuda_fwd` is
 //! handed, and write a new storage.
 
@@ -11,6 +13,7 @@ use cudarc::driver::{CudaSlice, CudaView};
 use super::launch::launch_pointwise;
 use super::rows::f32_view;
 use super::WrapDriver;
+pub use crate::activation::Activation;
 use crate::{Error, Result};
 
 /// The arguments of each kernel of `act.cu`, in its parameter order; the
@@ -30,6 +33,21 @@ pub(crate) enum PointwiseArgs<'a> {
         dy: &'a CudaView<'a, f32>,
         dgu: &'a mut CudaSlice<f32>,
         n: u64,
+    },
+    /// `act_fwd(x, y, n, act)`.
+    ActForward {
+        x: &'a CudaView<'a, f32>,
+        y: &'a mut CudaSlice<f32>,
+        n: u64,
+        act: i32,
+    },
+    /// `act_bwd(x, dy, dx, n, act)`.
+    ActBackward {
+        x: &'a CudaView<'a, f32>,
+        dy: &'a CudaView<'a, f32>,
+        dx: &'a mut CudaSlice<f32>,
+        n: u64,
+        act: i32,
     },
 }
 
@@ -102,4 +120,55 @@ pub fn swiglu_backward(
         launch_pointwise(OP, &dev, args)?;
     }
     Ok(CudaStorage::wrap_cuda_slice(dgu, dev))
+}
+
+/// `act(x)` of an f32 storage, as accel-nn's CPU kernel computes it (to a
+/// few ulps: `erff`, `tanhf` and `expf` are not its approximations).
+///
+/// # Errors
+/// A non-f32 or non-contiguous operand, driver errors.
+pub fn activation_forward(x: (&CudaStorage, &Layout), act: Activation) -> Result<CudaStorage> {
+    const OP: &str = "activation_forward";
+    let n = x.1.shape().elem_count();
+    let dev = x.0.device.clone();
+    let xv = f32_view(OP, 0, x.0, x.1)?;
+    let mut y: CudaSlice<f32> = dev.cuda_stream().alloc_zeros(n).w(OP, "alloc")?;
+    if n > 0 {
+        let args = PointwiseArgs::ActForward {
+            x: &xv,
+            y: &mut y,
+            n: n as u64,
+            act: act as i32,
+        };
+        launch_pointwise(OP, &dev, args)?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// `dy * act'(x)`, the input gradient of [`activation_forward`].
+///
+/// # Errors
+/// As [`activation_forward`]; `dy` must have `x`'s shape.
+pub fn activation_backward(
+    x: (&CudaStorage, &Layout),
+    dy: (&CudaStorage, &Layout),
+    act: Activation,
+) -> Result<CudaStorage> {
+    const OP: &str = "activation_backward";
+    let n = same_shape(OP, &[x.1, dy.1])?;
+    let dev = x.0.device.clone();
+    let xv = f32_view(OP, 0, x.0, x.1)?;
+    let dyv = f32_view(OP, 1, dy.0, dy.1)?;
+    let mut dx: CudaSlice<f32> = dev.cuda_stream().alloc_zeros(n).w(OP, "alloc")?;
+    if n > 0 {
+        let args = PointwiseArgs::ActBackward {
+            x: &xv,
+            dy: &dyv,
+            dx: &mut dx,
+            n: n as u64,
+            act: act as i32,
+        };
+        launch_pointwise(OP, &dev, args)?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(dx, dev))
 }

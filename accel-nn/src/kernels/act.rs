@@ -72,7 +72,22 @@ pub(super) fn copy_backward(act: Act, x: &[f32], g: &[f32]) -> Vec<f32> {
 
 struct Pointwise(Act);
 
-/// `act(x)` elementwise on a CPU tensor, differentiable.
+impl Act {
+    /// The same function in the CUDA kernels.
+    fn cuda(self) -> accel_kernels::cuda::Activation {
+        use accel_kernels::cuda::Activation as A;
+        match self {
+            Act::None => A::Identity,
+            Act::Relu => A::Relu,
+            Act::GeluTanh => A::GeluTanh,
+            Act::Gelu => A::Gelu,
+            Act::Silu => A::Silu,
+        }
+    }
+}
+
+/// `act(x)` elementwise, differentiable: a CPU tensor of the fused dtypes,
+/// or an f32 CUDA tensor (`act.cu`; see `ops::CUDA_ACTIVATIONS_CHECKED`).
 pub(crate) fn pointwise(x: &Tensor, act: Act) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Pointwise(act))
 }
@@ -88,7 +103,19 @@ impl CustomOp1 for Pointwise {
         Ok((from_f32(y, s.dtype())?, l.shape().clone()))
     }
 
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let y = accel_kernels::cuda::activation_forward((s, l), self.0.cuda())
+            .map_err(candle_core::Error::wrap)?;
+        Ok((y, l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if x.device().is_cuda() {
+            let dx = grad
+                .contiguous()?
+                .apply_op2_no_bwd(x, &PointwiseGrad(self.0))?;
+            return Ok(Some(dx));
+        }
         let g = with_f32(grad, |g| with_f32(x, |x| Ok(copy_backward(self.0, x, g))))?;
         Ok(Some(tensor_from_f32(g, x.shape(), x.dtype())?))
     }
@@ -99,7 +126,8 @@ struct SwiGlu;
 /// `silu(gate) * up` on tensors of one shape, differentiable in both: CPU
 /// tensors of the fused dtypes, or f32 CUDA tensors (`act.cu`, one kernel
 /// each way; `ops::swiglu` does not route CUDA tensors here until a GPU run
-/// has checked them against this CPU kernel, see `ops::SWIGLU_ON_CUDA`).
+/// has checked them against this CPU kernel, see
+/// `ops::CUDA_ACTIVATIONS_CHECKED`).
 pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
 }
@@ -192,6 +220,38 @@ impl CustomOp2 for SwiGlu {
             Some(tensor_from_f32(dg, gate.shape(), gate.dtype())?),
             Some(tensor_from_f32(du, up.shape(), up.dtype())?),
         ))
+    }
+}
+
+/// The input gradient of [`Pointwise`] on CUDA, as one op over `(grad, x)`
+/// with no backward of its own.
+struct PointwiseGrad(Act);
+
+impl CustomOp2 for PointwiseGrad {
+    fn name(&self) -> &'static str {
+        "accel-activation-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("accel-activation-grad runs on CUDA only (the CPU backward is Pointwise::bwd)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        dy: &CudaStorage,
+        dyl: &Layout,
+        x: &CudaStorage,
+        xl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dx = accel_kernels::cuda::activation_backward((x, xl), (dy, dyl), self.0.cuda())
+            .map_err(candle_core::Error::wrap)?;
+        Ok((dx, xl.shape().clone()))
     }
 }
 

@@ -31,6 +31,8 @@ impl Activation {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if fused(x) {
             kernels::pointwise(x, self.kernel())
+        } else if CUDA_ACTIVATIONS_CHECKED && fused_cuda(x) {
+            kernels::pointwise(&x.to_dtype(DType::F32)?, self.kernel())?.to_dtype(x.dtype())
         } else {
             composed_activation(x, Some(*self))
         }
@@ -74,10 +76,11 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
     Activation::Relu.forward(x)
 }
 
-/// Whether CUDA tensors take the SwiGLU kernels of `act.cu`. Off until a GPU
-/// run of `scripts/gpu_check.sh` has checked them against the CPU kernel
-/// (`accel-nn/tests/cuda_ops.rs`); they compile in CI but have never run.
-const SWIGLU_ON_CUDA: bool = false;
+/// Whether CUDA tensors take the activation and SwiGLU kernels of `act.cu`.
+/// Off until a GPU run of `scripts/gpu_check.sh` has passed
+/// `cuda_activations_match_...` and `cuda_swiglu_matches_...` (below); the
+/// kernels compile in CI but have never run.
+const CUDA_ACTIVATIONS_CHECKED: bool = false;
 
 /// `silu(gate) * up`, the gated MLP of Llama-style models, in one pass.
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
@@ -90,7 +93,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     }
     if fused(gate) && gate.dtype() == up.dtype() {
         kernels::swiglu(gate, up)
-    } else if SWIGLU_ON_CUDA && fused_cuda(gate) && gate.dtype() == up.dtype() {
+    } else if CUDA_ACTIVATIONS_CHECKED && fused_cuda(gate) && gate.dtype() == up.dtype() {
         kernels::swiglu(&gate.to_dtype(DType::F32)?, &up.to_dtype(DType::F32)?)?
             .to_dtype(gate.dtype())
     } else {
@@ -151,10 +154,35 @@ mod tests {
         )
     }
 
+    /// The activation kernels of `act.cu` against the CPU kernel, forward
+    /// and gradient, over a range that reaches each formula's tails.
+    #[test]
+    #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+    fn cuda_activations_match_the_cpu_kernel_and_its_gradient() -> Result<()> {
+        let gpu = accel_kernels::cuda_device(0)
+            .unwrap_or_else(|e| panic!("needs a CUDA device (build with --features cuda): {e}"));
+        let cpu = candle_core::Device::Cpu;
+        let x = randn(&[3, 1000], 70, 4.0)?;
+        let dy = randn(&[3, 1000], 71, 1.0)?;
+        for act in [Act::None, Act::Relu, Act::GeluTanh, Act::Gelu, Act::Silu] {
+            let run = |dev: &candle_core::Device| -> Result<(Tensor, Tensor)> {
+                let v = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
+                let y = kernels::pointwise(v.as_tensor(), act)?;
+                let grads = (&y * dy.to_device(dev)?)?.sum_all()?.backward()?;
+                let dx = grads.get(&v).expect("a gradient").to_device(&cpu)?;
+                Ok((y.to_device(&cpu)?, dx))
+            };
+            let ((y, dx), (gy, gdx)) = (run(&cpu)?, run(&gpu)?);
+            assert_close(&gy, &y, 1e-5, &format!("{act:?} forward"))?;
+            assert_close(&gdx, &dx, 1e-5, &format!("{act:?} gradient"))?;
+        }
+        Ok(())
+    }
+
     /// The SwiGLU kernels of `act.cu` against the CPU kernel, forward and
     /// both gradients, on sizes that do not fill a block and one that takes
     /// the grid-stride loop; bf16 inputs through the f32 conversion
-    /// `ops::swiglu` wraps them in. What must pass before `SWIGLU_ON_CUDA`.
+    /// `ops::swiglu` wraps them in. What must pass before `CUDA_ACTIVATIONS_CHECKED`.
     #[test]
     #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
     fn cuda_swiglu_matches_the_cpu_kernel_and_its_gradients() -> Result<()> {
