@@ -121,6 +121,20 @@ pub fn activation_backward(
     off()
 }
 
+/// Rotary position embeddings on a CUDA device; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn rope_rotate(
+    _x: (&CudaStorage, &Layout),
+    _cos: (&CudaStorage, &Layout),
+    _sin: (&CudaStorage, &Layout),
+    _interleaved: bool,
+    _inverse: bool,
+) -> Result<CudaStorage> {
+    off()
+}
+
 pub(crate) fn storage_key(_storage: &Storage) -> Option<usize> {
     None
 }

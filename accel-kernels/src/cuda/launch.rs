@@ -447,6 +447,40 @@ pub(crate) fn launch_pointwise(
             // writes `n` of y: the lengths checked above.
             unsafe { l.launch(cfg(n)) }.w(op, "launch")?;
         }
+        PointwiseArgs::Rope {
+            x,
+            cos,
+            sin,
+            y,
+            rows,
+            t,
+            d,
+            interleaved,
+            sign,
+        } => {
+            let n = usize::try_from(rows)
+                .ok()
+                .and_then(|r| r.checked_mul(d as usize))
+                .ok_or_else(bad)?;
+            let table = t as usize * (d as usize / 2);
+            if t == 0 || !d.is_multiple_of(2) || x.len() < n || y.len() < n {
+                return Err(bad());
+            }
+            if cos.len() < table || sin.len() < table {
+                return Err(bad());
+            }
+            let func = function(dev, KernelId::RopeF32)?;
+            let mut l = stream.launch_builder(&func);
+            let interleaved = interleaved as i32;
+            l.arg(x).arg(cos).arg(sin).arg(y);
+            l.arg(&rows).arg(&t).arg(&d).arg(&interleaved).arg(&sign);
+            // SAFETY: `rope_f32(x, cos, sin, y, rows, t, d, interleaved,
+            // sign)`'s parameters in order and C types (f32 pointers, u64,
+            // u32, u32, int, float); it reads and writes `rows * d` elements
+            // of x and y and reads `t * d / 2` of cos and sin (the row's
+            // position is `r % t`, t > 0, d even): the lengths checked above.
+            unsafe { l.launch(cfg(rows * u64::from(d / 2))) }.w(op, "launch")?;
+        }
         PointwiseArgs::ActBackward { x, dy, dx, n, act } => {
             let len = usize::try_from(n).map_err(|_| bad())?;
             if x.len() < len || dy.len() < len || dx.len() < len {

@@ -82,7 +82,8 @@ use crate::{Error, Result};
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
 pub use pointwise::{
-    activation_backward, activation_forward, swiglu_backward, swiglu_forward, Activation,
+    activation_backward, activation_forward, rope_rotate, swiglu_backward, swiglu_forward,
+    Activation,
 };
 pub use pool::{empty_cache, mem_get_info, retain_freed_memory};
 pub use rows::{row_norm_backward, row_norm_forward};
@@ -121,26 +122,30 @@ pub(crate) enum ModuleId {
     RowNorm,
     /// `act.cu`: SwiGLU and the pointwise activations, forward and backward.
     Act,
+    /// `rope.cu`: rotary position embeddings (the backward is the inverse rotation).
+    Rope,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 6] = [
+const MODULES: [(&str, &str); 7] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
     ("norm", include_str!("norm.cu")),
     ("rownorm", include_str!("rownorm.cu")),
     ("act", include_str!("act.cu")),
+    ("rope", include_str!("rope.cu")),
 ];
 
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 6] = [
+pub(crate) const ALL_MODULES: [ModuleId; 7] = [
     ModuleId::Cast,
     ModuleId::Unscale,
     ModuleId::Optim,
     ModuleId::Norm,
     ModuleId::RowNorm,
     ModuleId::Act,
+    ModuleId::Rope,
 ];
 
 impl ModuleId {
@@ -221,6 +226,7 @@ kernels! {
     SwigluBwd => Act, "swiglu_bwd";
     ActFwd => Act, "act_fwd";
     ActBwd => Act, "act_bwd";
+    RopeF32 => Rope, "rope_f32";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).

@@ -41,6 +41,18 @@ pub(crate) enum PointwiseArgs<'a> {
         n: u64,
         act: i32,
     },
+    /// `rope_f32(x, cos, sin, y, rows, t, d, interleaved, sign)`.
+    Rope {
+        x: &'a CudaView<'a, f32>,
+        cos: &'a CudaView<'a, f32>,
+        sin: &'a CudaView<'a, f32>,
+        y: &'a mut CudaSlice<f32>,
+        rows: u64,
+        t: u32,
+        d: u32,
+        interleaved: bool,
+        sign: f32,
+    },
     /// `act_bwd(x, dy, dx, n, act)`.
     ActBackward {
         x: &'a CudaView<'a, f32>,
@@ -171,4 +183,58 @@ pub fn activation_backward(
         launch_pointwise(OP, &dev, args)?;
     }
     Ok(CudaStorage::wrap_cuda_slice(dx, dev))
+}
+
+/// Rotates `x [b, h, t, d]` (f32) by the angles whose cos and sin are
+/// `[t, d/2]`: pairs `(i, i + d/2)`, or `(2i, 2i + 1)` when `interleaved`;
+/// `inverse` rotates back (the backward). Bitwise accel-nn's CPU kernel.
+///
+/// # Errors
+/// Non-f32 or non-contiguous operands, tables that do not fit `x`, driver errors.
+pub fn rope_rotate(
+    x: (&CudaStorage, &Layout),
+    cos: (&CudaStorage, &Layout),
+    sin: (&CudaStorage, &Layout),
+    interleaved: bool,
+    inverse: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "rope_rotate";
+    let dims = x.1.dims();
+    let fits = dims.len() == 4
+        && dims[3].is_multiple_of(2)
+        && cos.1.dims() == [dims[2], dims[3] / 2]
+        && sin.1.dims() == cos.1.dims();
+    let (t, d) = (dims.get(2).copied(), dims.get(3).copied());
+    let small = |v: Option<usize>| v.and_then(|v| u32::try_from(v).ok()).filter(|&v| v > 0);
+    let (Some(t), Some(d), true) = (small(t), small(d), fits) else {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: format!(
+                "x {dims:?} needs cos and sin [t, d/2], got {:?} and {:?}",
+                cos.1.dims(),
+                sin.1.dims()
+            ),
+        });
+    };
+    let n = x.1.shape().elem_count();
+    let dev = x.0.device.clone();
+    let xv = f32_view(OP, 0, x.0, x.1)?;
+    let cv = f32_view(OP, 1, cos.0, cos.1)?;
+    let sv = f32_view(OP, 2, sin.0, sin.1)?;
+    let mut y: CudaSlice<f32> = dev.cuda_stream().alloc_zeros(n).w(OP, "alloc")?;
+    if n > 0 {
+        let args = PointwiseArgs::Rope {
+            x: &xv,
+            cos: &cv,
+            sin: &sv,
+            y: &mut y,
+            rows: (n / d as usize) as u64,
+            t,
+            d,
+            interleaved,
+            sign: if inverse { -1.0 } else { 1.0 },
+        };
+        launch_pointwise(OP, &dev, args)?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
 }

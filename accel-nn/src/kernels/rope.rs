@@ -6,7 +6,9 @@
 //! pass each way suffices. The cos/sin tables are constants (no gradient).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor,
+};
 
 use super::raw::par;
 use super::{as_f32, from_f32, rows_per_task, tensor_from_f32, with_f32};
@@ -20,7 +22,9 @@ struct Rope {
 
 /// Rotates `x [b, h, t, d]` by the angles whose cos/sin are `[t, d/2]`:
 /// pairs `(i, i + d/2)` (HF `rotate_half`) or, when `interleaved`,
-/// `(2i, 2i + 1)` (GPT-J, original RoFormer).
+/// `(2i, 2i + 1)` (GPT-J, original RoFormer). CPU tensors of the fused
+/// dtypes, or f32 CUDA tensors (`rope.cu`, bitwise this CPU kernel; see
+/// `ops::rope::CUDA_ROPE_CHECKED`).
 pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
     let (_, _, t, d) = x.dims4()?;
     if d % 2 != 0 || cos.dims() != [t, d / 2] || sin.dims() != [t, d / 2] {
@@ -31,6 +35,15 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) ->
             cos.dims(),
             sin.dims()
         )
+    }
+    if x.device().is_cuda() {
+        let op = RopeCuda {
+            interleaved,
+            inverse: false,
+        };
+        return x
+            .contiguous()?
+            .apply_op3(&cos.contiguous()?, &sin.contiguous()?, op);
     }
     let cos = with_f32(cos, |c| Ok(c.to_vec()))?;
     let sin = with_f32(sin, |s| Ok(s.to_vec()))?;
@@ -92,5 +105,68 @@ impl CustomOp1 for Rope {
         let d = x.dim(3)?;
         let dx = with_f32(grad, |g| Ok(self.rotate(g, d, -1.0)))?;
         Ok(Some(tensor_from_f32(dx, x.shape(), x.dtype())?))
+    }
+}
+
+/// The rotation on CUDA as an op over `(x, cos, sin)`, differentiable in
+/// `x` only (the tables are constants): its backward is the inverse
+/// rotation, the same op with `inverse` set.
+#[derive(Clone, Copy)]
+struct RopeCuda {
+    interleaved: bool,
+    inverse: bool,
+}
+
+impl CustomOp3 for RopeCuda {
+    fn name(&self) -> &'static str {
+        "accel-rope-cuda"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("accel-rope-cuda runs on CUDA only (the CPU op is Rope)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        cos: &CudaStorage,
+        cl: &Layout,
+        sin: &CudaStorage,
+        sl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let y = accel_kernels::cuda::rope_rotate(
+            (x, xl),
+            (cos, cl),
+            (sin, sl),
+            self.interleaved,
+            self.inverse,
+        )
+        .map_err(candle_core::Error::wrap)?;
+        Ok((y, xl.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let back = RopeCuda {
+            inverse: !self.inverse,
+            ..*self
+        };
+        let dx = grad.contiguous()?.apply_op3_no_bwd(cos, sin, &back)?;
+        Ok((Some(dx), None, None))
     }
 }
