@@ -135,6 +135,26 @@ pub fn rope_rotate(
     off()
 }
 
+/// Softmax over rows on a CUDA device; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn softmax_rows(_x: (&CudaStorage, &Layout), _log: bool) -> Result<CudaStorage> {
+    off()
+}
+
+/// The gradient of [`softmax_rows`]; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn softmax_rows_backward(
+    _y: (&CudaStorage, &Layout),
+    _g: (&CudaStorage, &Layout),
+    _log: bool,
+) -> Result<CudaStorage> {
+    off()
+}
+
 pub(crate) fn storage_key(_storage: &Storage) -> Option<usize> {
     None
 }

@@ -327,6 +327,41 @@ pub(crate) fn launch_rows(op: &'static str, dev: &CudaDevice, args: RowArgs<'_>)
             // `pw/pb[p * d + j]`, p < blocks: the lengths checked above.
             unsafe { l.launch(col_cfg(d, blocks)) }.w(op, "launch")?;
         }
+        RowArgs::Softmax { x, y, rows, d, log } => {
+            let n = rows as usize * d as usize;
+            if x.len() < n || y.len() < n {
+                return Err(bad("an operand"));
+            }
+            let func = function(dev, KernelId::SoftmaxFwd)?;
+            let log = log as i32;
+            let mut l = stream.launch_builder(&func);
+            l.arg(x).arg(y).arg(&rows).arg(&d).arg(&log);
+            // SAFETY: `softmax_fwd(x, y, rows, d, log)`'s parameters in order
+            // and C types (f32 pointers, u32, u32, int); it reads and writes
+            // `rows * d` elements of x and y: the lengths checked above.
+            unsafe { l.launch(row_cfg(rows)) }.w(op, "launch")?;
+        }
+        RowArgs::SoftmaxBackward {
+            y,
+            g,
+            dx,
+            rows,
+            d,
+            log,
+        } => {
+            let n = rows as usize * d as usize;
+            if y.len() < n || g.len() < n || dx.len() < n {
+                return Err(bad("an operand"));
+            }
+            let func = function(dev, KernelId::SoftmaxBwd)?;
+            let log = log as i32;
+            let mut l = stream.launch_builder(&func);
+            l.arg(y).arg(g).arg(dx).arg(&rows).arg(&d).arg(&log);
+            // SAFETY: `softmax_bwd(y, g, dx, rows, d, log)`'s parameters in
+            // order and C types; it reads `rows * d` elements of y and g and
+            // writes as many of dx: the lengths checked above.
+            unsafe { l.launch(row_cfg(rows)) }.w(op, "launch")?;
+        }
         RowArgs::BackwardSum {
             pw,
             pb,

@@ -86,7 +86,7 @@ pub use pointwise::{
     Activation,
 };
 pub use pool::{empty_cache, mem_get_info, retain_freed_memory};
-pub use rows::{row_norm_backward, row_norm_forward};
+pub use rows::{row_norm_backward, row_norm_forward, softmax_rows, softmax_rows_backward};
 
 /// Smallest and largest chunk of a launch table, in elements. Chunk
 /// lengths are powers of two (multiples of the vector width, so every chunk
@@ -124,10 +124,12 @@ pub(crate) enum ModuleId {
     Act,
     /// `rope.cu`: rotary position embeddings (the backward is the inverse rotation).
     Rope,
+    /// `softmax.cu`: softmax and log-softmax over rows, forward and backward.
+    Softmax,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 7] = [
+const MODULES: [(&str, &str); 8] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
@@ -135,10 +137,11 @@ const MODULES: [(&str, &str); 7] = [
     ("rownorm", include_str!("rownorm.cu")),
     ("act", include_str!("act.cu")),
     ("rope", include_str!("rope.cu")),
+    ("softmax", include_str!("softmax.cu")),
 ];
 
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 7] = [
+pub(crate) const ALL_MODULES: [ModuleId; 8] = [
     ModuleId::Cast,
     ModuleId::Unscale,
     ModuleId::Optim,
@@ -146,6 +149,7 @@ pub(crate) const ALL_MODULES: [ModuleId; 7] = [
     ModuleId::RowNorm,
     ModuleId::Act,
     ModuleId::Rope,
+    ModuleId::Softmax,
 ];
 
 impl ModuleId {
@@ -227,6 +231,8 @@ kernels! {
     ActFwd => Act, "act_fwd";
     ActBwd => Act, "act_bwd";
     RopeF32 => Rope, "rope_f32";
+    SoftmaxFwd => Softmax, "softmax_fwd";
+    SoftmaxBwd => Softmax, "softmax_bwd";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).

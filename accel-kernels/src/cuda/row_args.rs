@@ -1,4 +1,4 @@
-//! What the row kernels of `rownorm.cu` take: their arguments and the row
+//! What the row kernels of `rownorm.cu` and `softmax.cu` take: their arguments and the row
 //! blocking their weight gradients share with the host. Both `rows.rs`
 //! (which builds the arguments) and `launch.rs` (which checks and launches
 //! them) read these, so they live apart from either.
@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 /// `rownorm.cu`).
 pub(crate) const ROWS_PER_PARTIAL: usize = 64;
 
-/// The arguments of each row kernel of `rownorm.cu`, in its parameter
+/// The arguments of each row kernel (`rownorm.cu`, `softmax.cu`), in its parameter
 /// order; the sizes are checked against the views before launching.
 pub(crate) enum RowArgs<'a> {
     /// `rownorm_fwd(x, w, b, y, rows, d, eps, rms)`.
@@ -44,6 +44,23 @@ pub(crate) enum RowArgs<'a> {
         pb: &'a mut CudaSlice<f32>,
         rows: u32,
         d: u32,
+    },
+    /// `softmax_fwd(x, y, rows, d, log)` (`softmax.cu`).
+    Softmax {
+        x: &'a CudaView<'a, f32>,
+        y: &'a mut CudaSlice<f32>,
+        rows: u32,
+        d: u32,
+        log: bool,
+    },
+    /// `softmax_bwd(y, g, dx, rows, d, log)` (`softmax.cu`).
+    SoftmaxBackward {
+        y: &'a CudaView<'a, f32>,
+        g: &'a CudaView<'a, f32>,
+        dx: &'a mut CudaSlice<f32>,
+        rows: u32,
+        d: u32,
+        log: bool,
     },
     /// `rownorm_bwd_sum(pw, pb, dwdb, blocks, d)`.
     BackwardSum {

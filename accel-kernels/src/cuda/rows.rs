@@ -194,3 +194,76 @@ pub fn row_norm_backward(
     }
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
+
+/// `(rows, d)` of a matrix taken over its last dimension, both within one launch.
+fn rows_of(op: &'static str, l: &Layout) -> Result<(usize, usize)> {
+    let d = l.dims().last().copied().unwrap_or(1).max(1);
+    let rows = l.shape().elem_count() / d;
+    if u32::try_from(rows).is_err() || u32::try_from(d).is_err() {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("{rows} rows of {d} exceed one launch"),
+        });
+    }
+    Ok((rows, d))
+}
+
+/// Softmax (`log`: log-softmax) of the f32 matrix `x` over its last
+/// dimension, as accel-nn's CPU kernel computes it (to a few ulps).
+///
+/// # Errors
+/// A non-f32 or non-contiguous operand, too many rows, driver errors.
+pub fn softmax_rows(x: (&CudaStorage, &Layout), log: bool) -> Result<CudaStorage> {
+    const OP: &str = "softmax_rows";
+    let (rows, d) = rows_of(OP, x.1)?;
+    let dev = x.0.device.clone();
+    let xv = f32_view(OP, 0, x.0, x.1)?;
+    let mut y: CudaSlice<f32> = dev.cuda_stream().alloc_zeros(rows * d).w(OP, "alloc")?;
+    if rows > 0 {
+        let args = RowArgs::Softmax {
+            x: &xv,
+            y: &mut y,
+            rows: rows as u32,
+            d: d as u32,
+            log,
+        };
+        launch_rows(OP, &dev, args)?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(y, dev))
+}
+
+/// The input gradient of [`softmax_rows`] from its output `y` and the output
+/// gradient `g`.
+///
+/// # Errors
+/// As [`softmax_rows`]; `g` must have `y`'s shape.
+pub fn softmax_rows_backward(
+    y: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    log: bool,
+) -> Result<CudaStorage> {
+    const OP: &str = "softmax_rows_backward";
+    if y.1.dims() != g.1.dims() {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            reason: format!("gradient {:?} for output {:?}", g.1.dims(), y.1.dims()),
+        });
+    }
+    let (rows, d) = rows_of(OP, y.1)?;
+    let dev = y.0.device.clone();
+    let yv = f32_view(OP, 0, y.0, y.1)?;
+    let gv = f32_view(OP, 1, g.0, g.1)?;
+    let mut dx: CudaSlice<f32> = dev.cuda_stream().alloc_zeros(rows * d).w(OP, "alloc")?;
+    if rows > 0 {
+        let args = RowArgs::SoftmaxBackward {
+            y: &yv,
+            g: &gv,
+            dx: &mut dx,
+            rows: rows as u32,
+            d: d as u32,
+            log,
+        };
+        launch_rows(OP, &dev, args)?;
+    }
+    Ok(CudaStorage::wrap_cuda_slice(dx, dev))
+}

@@ -5,7 +5,9 @@
 //! reads the op's output (`res`), so nothing is kept between passes.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor,
+};
 
 use super::raw::par;
 use super::{as_f32, from_f32, math, rows_per_task, tensor_from_f32, with_f32};
@@ -15,12 +17,14 @@ struct Softmax {
     log: bool,
 }
 
-/// Softmax over the last dimension of a CPU tensor, differentiable.
+/// Softmax over the last dimension of a CPU tensor (or an f32 CUDA tensor,
+/// `softmax.cu`; see `ops::softmax::CUDA_SOFTMAX_CHECKED`), differentiable.
 pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Softmax { log: false })
 }
 
-/// Log-softmax over the last dimension of a CPU tensor, differentiable.
+/// Log-softmax over the last dimension of a CPU tensor (or an f32 CUDA
+/// tensor), differentiable.
 pub(crate) fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Softmax { log: true })
 }
@@ -77,7 +81,17 @@ impl CustomOp1 for Softmax {
         Ok((from_f32(y, s.dtype())?, l.shape().clone()))
     }
 
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let y = accel_kernels::cuda::softmax_rows((s, l), self.log)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((y, l.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if x.device().is_cuda() {
+            let op = SoftmaxGrad { log: self.log };
+            return Ok(Some(grad.contiguous()?.apply_op2_no_bwd(res, &op)?));
+        }
         let d = x.dims().last().copied().unwrap_or(1).max(1);
         let g = with_f32(grad, |g| {
             with_f32(res, |y| {
@@ -89,5 +103,39 @@ impl CustomOp1 for Softmax {
             })
         })?;
         Ok(Some(tensor_from_f32(g, x.shape(), x.dtype())?))
+    }
+}
+
+/// The input gradient of [`Softmax`] on CUDA, as one op over `(grad, y)`
+/// with no backward of its own.
+struct SoftmaxGrad {
+    log: bool,
+}
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "accel-softmax-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("accel-softmax-grad runs on CUDA only (the CPU backward is Softmax::bwd)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        g: &CudaStorage,
+        gl: &Layout,
+        y: &CudaStorage,
+        yl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dx = accel_kernels::cuda::softmax_rows_backward((y, yl), (g, gl), self.log)
+            .map_err(candle_core::Error::wrap)?;
+        Ok((dx, yl.shape().clone()))
     }
 }

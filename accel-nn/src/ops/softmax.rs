@@ -5,9 +5,9 @@
 //! composed elsewhere.
 
 use candle_core::shape::Dim;
-use candle_core::{Result, Tensor, D};
+use candle_core::{DType, Result, Tensor, D};
 
-use super::{fused, upcast};
+use super::{fused, fused_cuda, upcast};
 use crate::kernels;
 
 /// Softmax over `dim` (any dimension: others are moved last and back).
@@ -15,10 +15,17 @@ pub fn softmax<Di: Dim>(x: &Tensor, dim: Di) -> Result<Tensor> {
     along(x, dim, softmax_last_dim)
 }
 
+/// Whether CUDA tensors take the row kernels of `softmax.cu`. Off until a
+/// GPU run of `scripts/gpu_check.sh` has passed `cuda_softmax_...` (below);
+/// the kernels compile in CI but have never run.
+const CUDA_SOFTMAX_CHECKED: bool = false;
+
 /// Softmax over the last dimension, differentiable (unlike candle-nn's).
 pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     if fused(x) {
         kernels::softmax_last_dim(x)
+    } else if CUDA_SOFTMAX_CHECKED && fused_cuda(x) {
+        kernels::softmax_last_dim(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())
     } else {
         composed_softmax_last_dim(x)
     }
@@ -30,6 +37,8 @@ pub fn log_softmax<Di: Dim>(x: &Tensor, dim: Di) -> Result<Tensor> {
     along(x, dim, |x| {
         if fused(x) {
             kernels::log_softmax_last_dim(x)
+        } else if CUDA_SOFTMAX_CHECKED && fused_cuda(x) {
+            kernels::log_softmax_last_dim(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())
         } else {
             composed_log_softmax_last_dim(x)
         }
@@ -69,6 +78,42 @@ pub fn composed_log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 mod tests {
     use super::*;
     use crate::ops::testing::*;
+
+    /// The row kernels of `softmax.cu` against the CPU kernel, forward and
+    /// gradient, softmax and log-softmax, on rows narrower and wider than a
+    /// warp and more rows than one block holds, with large logits (the max
+    /// shift matters). What must pass before `CUDA_SOFTMAX_CHECKED`.
+    #[test]
+    #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+    fn cuda_softmax_matches_the_cpu_kernel_and_its_gradient() -> Result<()> {
+        let gpu = accel_kernels::cuda_device(0)
+            .unwrap_or_else(|e| panic!("needs a CUDA device (build with --features cuda): {e}"));
+        let cpu = candle_core::Device::Cpu;
+        for (k, (rows, d)) in [(3usize, 7usize), (130, 256), (2, 5000)]
+            .into_iter()
+            .enumerate()
+        {
+            let x = randn(&[rows, d], 90 + k as u64, 30.0)?;
+            let g = randn(&[rows, d], 95 + k as u64, 1.0)?;
+            for log in [false, true] {
+                let run = |dev: &candle_core::Device| -> Result<(Tensor, Tensor)> {
+                    let v = candle_core::Var::from_tensor(&x.to_device(dev)?)?;
+                    let y = match log {
+                        true => kernels::log_softmax_last_dim(v.as_tensor())?,
+                        false => kernels::softmax_last_dim(v.as_tensor())?,
+                    };
+                    let grads = (&y * g.to_device(dev)?)?.sum_all()?.backward()?;
+                    let dx = grads.get(&v).expect("a gradient").to_device(&cpu)?;
+                    Ok((y.to_device(&cpu)?, dx))
+                };
+                let ((y, dx), (gy, gdx)) = (run(&cpu)?, run(&gpu)?);
+                let what = format!("log {log} [{rows}, {d}]");
+                assert_close(&gy, &y, 1e-5, &format!("{what} forward"))?;
+                assert_close(&gdx, &dx, 1e-5, &format!("{what} gradient"))?;
+            }
+        }
+        Ok(())
+    }
 
     #[test]
     fn softmax_matches_composed_and_finite_differences_in_every_dtype() -> Result<()> {
