@@ -155,6 +155,29 @@ pub fn softmax_rows_backward(
     off()
 }
 
+/// Mean cross entropy on a CUDA device; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn cross_entropy_forward(
+    _logits: (&CudaStorage, &Layout),
+    _targets: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    off()
+}
+
+/// The gradient of [`cross_entropy_forward`]; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn cross_entropy_backward(
+    _logits: (&CudaStorage, &Layout),
+    _targets: (&CudaStorage, &Layout),
+    _dy: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    off()
+}
+
 pub(crate) fn storage_key(_storage: &Storage) -> Option<usize> {
     None
 }

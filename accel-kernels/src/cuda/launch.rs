@@ -16,6 +16,7 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
+use super::loss::LossArgs;
 use super::operands::Table;
 use super::pointwise::PointwiseArgs;
 use super::row_args::{RowArgs, ROWS_PER_PARTIAL};
@@ -528,6 +529,107 @@ pub(crate) fn launch_pointwise(
             // C types; it reads `n` elements of x and dy and writes `n` of
             // dx: the lengths checked above.
             unsafe { l.launch(cfg(n)) }.w(op, "launch")?;
+        }
+    }
+    Ok(())
+}
+
+/// Launches a kernel of `loss.cu` on `dev`'s stream.
+pub(crate) fn launch_loss(op: &'static str, dev: &CudaDevice, args: LossArgs<'_>) -> Result<()> {
+    let bad = || Error::InvalidArgument {
+        op,
+        reason: "internal: an operand too short for its loss kernel".into(),
+    };
+    let stream = dev.cuda_stream();
+    match args {
+        LossArgs::Rows {
+            x,
+            t,
+            lse,
+            loss,
+            rows,
+            c,
+        } => {
+            let (r, n) = (rows as usize, rows as usize * c as usize);
+            if x.len() < n || t.len() < r || lse.len() < r || loss.len() < r {
+                return Err(bad());
+            }
+            let func = function(dev, KernelId::XentRows)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(x).arg(t).arg(lse).arg(loss).arg(&rows).arg(&c);
+            let cfg = LaunchConfig {
+                grid_dim: (rows.div_ceil(ROW_WARPS).clamp(1, ROW_MAX_BLOCKS), 1, 1),
+                block_dim: (32 * ROW_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `xent_rows(x, t, lse, loss, rows, c)`'s parameters in
+            // order and C types (f32 and u32 pointers, u32, u32); it reads
+            // `rows * c` of x and `rows` of t, writes `rows` of lse and loss,
+            // and reads x[r * c + t[r]] only when t[r] < c: the lengths
+            // checked above.
+            unsafe { l.launch(cfg) }.w(op, "launch")?;
+        }
+        LossArgs::Mean {
+            loss,
+            t,
+            mean,
+            count,
+            rows,
+        } => {
+            let r = rows as usize;
+            if loss.len() < r || t.len() < r || mean.is_empty() || count.is_empty() {
+                return Err(bad());
+            }
+            let func = function(dev, KernelId::XentMean)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(loss).arg(t).arg(mean).arg(count).arg(&rows);
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (1024, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `xent_mean(loss, t, mean, count, rows)`'s parameters in
+            // order and C types; one block of 1024 threads (its XE_THREADS,
+            // the size of its shared arrays) reads `rows` of loss and t and
+            // writes one element each of mean and count: checked above.
+            unsafe { l.launch(cfg) }.w(op, "launch")?;
+        }
+        LossArgs::Grad {
+            x,
+            t,
+            lse,
+            dy,
+            count,
+            dx,
+            rows,
+            c,
+        } => {
+            let (r, n) = (rows as usize, rows as usize * c as usize);
+            if x.len() < n || dx.len() < n || t.len() < r || lse.len() < r {
+                return Err(bad());
+            }
+            if dy.is_empty() || count.is_empty() {
+                return Err(bad());
+            }
+            let func = function(dev, KernelId::XentGrad)?;
+            let mut l = stream.launch_builder(&func);
+            l.arg(x).arg(t).arg(lse).arg(dy).arg(count).arg(dx);
+            l.arg(&rows).arg(&c);
+            let n = n as u64;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    n.div_ceil(u64::from(BLOCK)).clamp(1, u64::from(MAX_BLOCKS)) as u32,
+                    1,
+                    1,
+                ),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `xent_grad(x, t, lse, dy, count, dx, rows, c)`'s
+            // parameters in order and C types; it reads `rows * c` of x,
+            // `rows` of t and lse, one element of dy and count, and writes
+            // `rows * c` of dx: the lengths checked above.
+            unsafe { l.launch(cfg) }.w(op, "launch")?;
         }
     }
     Ok(())

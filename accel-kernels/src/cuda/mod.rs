@@ -62,6 +62,7 @@
 //! on the CPU.
 
 mod launch;
+mod loss;
 mod operands;
 mod ops;
 mod pointwise;
@@ -79,6 +80,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
 use crate::{Error, Result};
 
+pub use loss::{cross_entropy_backward, cross_entropy_forward};
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
 pub use pointwise::{
@@ -126,10 +128,12 @@ pub(crate) enum ModuleId {
     Rope,
     /// `softmax.cu`: softmax and log-softmax over rows, forward and backward.
     Softmax,
+    /// `loss.cu`: mean cross entropy, forward and backward, without host reads.
+    Loss,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 8] = [
+const MODULES: [(&str, &str); 9] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
@@ -138,10 +142,11 @@ const MODULES: [(&str, &str); 8] = [
     ("act", include_str!("act.cu")),
     ("rope", include_str!("rope.cu")),
     ("softmax", include_str!("softmax.cu")),
+    ("loss", include_str!("loss.cu")),
 ];
 
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 8] = [
+pub(crate) const ALL_MODULES: [ModuleId; 9] = [
     ModuleId::Cast,
     ModuleId::Unscale,
     ModuleId::Optim,
@@ -150,6 +155,7 @@ pub(crate) const ALL_MODULES: [ModuleId; 8] = [
     ModuleId::Act,
     ModuleId::Rope,
     ModuleId::Softmax,
+    ModuleId::Loss,
 ];
 
 impl ModuleId {
@@ -233,6 +239,9 @@ kernels! {
     RopeF32 => Rope, "rope_f32";
     SoftmaxFwd => Softmax, "softmax_fwd";
     SoftmaxBwd => Softmax, "softmax_bwd";
+    XentRows => Loss, "xent_rows";
+    XentMean => Loss, "xent_mean";
+    XentGrad => Loss, "xent_grad";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).

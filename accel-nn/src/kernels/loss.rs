@@ -15,7 +15,9 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
+};
 
 use super::gemm_bf16::{bf16_products, keep_bf16, product_of};
 use super::raw::amx::{HalfRef, Values};
@@ -110,7 +112,9 @@ fn mean_grad(grad: &Tensor, targets: &[u32]) -> Result<f32> {
 }
 
 /// Mean cross entropy of `logits [n, c]` against u32 `targets [n]`, an f32
-/// scalar differentiable in the logits.
+/// scalar differentiable in the logits: CPU tensors, or f32 logits and u32
+/// targets on CUDA (`loss.cu`, no host read; see
+/// `ops::loss::CUDA_CROSS_ENTROPY_CHECKED`).
 pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     logits
         .contiguous()?
@@ -137,6 +141,18 @@ impl CustomOp2 for CrossEntropy {
         Ok((CpuStorage::F32(vec![loss]), Shape::from(())))
     }
 
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let loss = accel_kernels::cuda::cross_entropy_forward((s1, l1), (s2, l2))
+            .map_err(candle_core::Error::wrap)?;
+        Ok((loss, Shape::from(())))
+    }
+
     fn bwd(
         &self,
         logits: &Tensor,
@@ -144,6 +160,11 @@ impl CustomOp2 for CrossEntropy {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        if logits.device().is_cuda() {
+            let dy = grad.to_dtype(DType::F32)?.contiguous()?;
+            let dl = logits.apply_op3_no_bwd(targets, &dy, &CrossEntropyGrad)?;
+            return Ok((Some(dl), None));
+        }
         let c = logits.dim(1)?;
         let targets = targets.to_vec1::<u32>()?;
         let scale = mean_grad(grad, &targets)?;
@@ -154,6 +175,42 @@ impl CustomOp2 for CrossEntropy {
             Some(tensor_from_f32(dl, logits.shape(), logits.dtype())?),
             None,
         ))
+    }
+}
+
+/// The logits' gradient of [`CrossEntropy`] on CUDA, as one op over
+/// `(logits, targets, dy)` with no backward of its own.
+struct CrossEntropyGrad;
+
+impl CustomOp3 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "accel-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("accel-cross-entropy-grad runs on CUDA only (the CPU backward is CrossEntropy::bwd)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        xl: &Layout,
+        t: &CudaStorage,
+        tl: &Layout,
+        dy: &CudaStorage,
+        dyl: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let dx = accel_kernels::cuda::cross_entropy_backward((x, xl), (t, tl), (dy, dyl))
+            .map_err(candle_core::Error::wrap)?;
+        Ok((dx, xl.shape().clone()))
     }
 }
 
