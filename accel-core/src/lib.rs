@@ -71,6 +71,7 @@ mod accelerator;
 pub mod accumulation;
 pub mod checkpoint;
 pub mod config;
+pub mod cuda_graphs;
 pub mod data;
 pub mod fsdp;
 mod init;

@@ -1,0 +1,15 @@
+//! CUDA graphs for a training step (issue "The GPU step without the host").
+//!
+//! The design: `Accelerator::compile_step` runs the user's step eagerly a
+//! few times, then records one eager step's device work (allocations,
+//! launches, stream joins, host reads, collectives) and plans its capture
+//! with [`plan::plan`]. The plan says which buffers the batch is copied
+//! into, which are updated in place and which belong to the graph, or the
+//! [`plan::Fallback`] that keeps the step eager, named in one warning.
+//!
+//! Built so far: the plan, a pure function tested without a GPU. Not built:
+//! the recorder (it hooks accel-kernels' launches and candle's CUDA ops on
+//! accel's device), the capture and replay through cudarc, and
+//! `compile_step` itself. All three need a GPU to test.
+
+pub mod plan;
