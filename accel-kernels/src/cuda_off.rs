@@ -47,6 +47,31 @@ pub fn mem_get_info(_device: &Device) -> Result<(usize, usize)> {
     off()
 }
 
+/// The device's name; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn device_name(_device: &Device) -> Result<String> {
+    off()
+}
+
+/// Peak device memory held by tensors; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn max_memory_allocated(_device: &Device) -> Result<Option<u64>> {
+    off()
+}
+
+/// Resets the peak of [`max_memory_allocated`]; this build has no CUDA
+/// support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn reset_peak_memory_stats(_device: &Device) -> Result<()> {
+    off()
+}
+
 /// Layer norm / RMS norm of an f32 matrix on a CUDA device; this build has
 /// no CUDA support.
 ///
@@ -243,5 +268,56 @@ pub(crate) fn sgd(
 /// # Errors
 /// Always [`Error::NotCompiled`].
 pub fn compile_sources(_arch: &str) -> Result<Vec<(&'static str, String)>> {
+    off()
+}
+
+/// The largest head dimension of the CUDA attention kernels.
+pub const FLASH_MAX_HEAD_DIM: usize = 128;
+
+/// The mask and scale of a CUDA attention call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlashMask {
+    /// Multiplies `q k^T` before the bias is added.
+    pub scale: f32,
+    /// Causal masking with the first query at this absolute position.
+    pub causal_offset: Option<usize>,
+}
+
+/// Whether the CUDA attention kernels take these operands; never in this
+/// build.
+pub fn flash_supported(_dtype: DType, _d: usize) -> bool {
+    false
+}
+
+/// Tiled attention on a CUDA device; this build has no CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn flash_attention_forward(
+    _q: (&CudaStorage, &Layout),
+    _k: (&CudaStorage, &Layout),
+    _v: (&CudaStorage, &Layout),
+    _bias: Option<(&CudaStorage, &Layout)>,
+    _mask: FlashMask,
+) -> Result<(CudaStorage, CudaStorage)> {
+    off()
+}
+
+/// The gradients of [`flash_attention_forward`]; this build has no CUDA
+/// support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward(
+    _q: (&CudaStorage, &Layout),
+    _k: (&CudaStorage, &Layout),
+    _v: (&CudaStorage, &Layout),
+    _o: (&CudaStorage, &Layout),
+    _g: (&CudaStorage, &Layout),
+    _lse: (&CudaStorage, &Layout),
+    _bias: Option<(&CudaStorage, &Layout)>,
+    _mask: FlashMask,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
     off()
 }

@@ -16,6 +16,8 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
+use super::attention::FLASH_WARPS;
+use super::attention::{FlashArgs, FlashDims};
 use super::loss::LossArgs;
 use super::operands::Table;
 use super::pointwise::PointwiseArgs;
@@ -62,6 +64,10 @@ pub(crate) struct SgdArgs {
 unsafe impl DeviceRepr for AdamWArgs {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for SgdArgs {}
+// SAFETY: `#[repr(C)]`: ten 4-byte fields, then thirteen u64s starting at
+// byte 40, identical in size and layout to `struct FlashDims` in
+// attention.cu (144 bytes; `attention.rs` asserts the size).
+unsafe impl DeviceRepr for FlashDims {}
 // SAFETY: `#[repr(C)]` arrays of u64 then u32 fields, identical in size
 // and layout to `struct Table` in common.cuh (both sides assert 2848
 // bytes), which every kernel takes by value as its first parameter.
@@ -413,6 +419,43 @@ pub(crate) fn set_release_threshold(ctx: &Arc<CudaContext>, bytes: u64) -> Resul
     .w("memory_pool", "cuMemPoolSetAttribute")
 }
 
+/// The context's current pool's high-water mark of memory in use by
+/// allocations (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`), in bytes.
+pub(crate) fn pool_used_high(ctx: &Arc<CudaContext>) -> Result<u64> {
+    let pool = current_pool(ctx)?;
+    let mut value = 0u64;
+    // SAFETY: `pool` is the device's live current pool, and
+    // CU_MEMPOOL_ATTR_USED_MEM_HIGH writes a `cuuint64_t` through the
+    // pointer, which `value` is (a u64 that outlives the call).
+    unsafe {
+        sys::cuMemPoolGetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            (&mut value as *mut u64).cast(),
+        )
+    }
+    .result()
+    .w("memory_pool", "cuMemPoolGetAttribute")?;
+    Ok(value)
+}
+
+/// Resets that high-water mark to the memory in use now (the driver
+/// accepts only 0, which it takes to mean "now").
+pub(crate) fn reset_pool_used_high(ctx: &Arc<CudaContext>) -> Result<()> {
+    let pool = current_pool(ctx)?;
+    let mut zero = 0u64;
+    // SAFETY: as in `pool_used_high`; setting USED_MEM_HIGH reads a
+    // `cuuint64_t` that must be 0, which `zero` is.
+    unsafe {
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            (&mut zero as *mut u64).cast(),
+        )
+    }
+    .w("memory_pool", "cuMemPoolSetAttribute")
+}
+
 /// Releases the memory the context's current pool holds beyond its live
 /// allocations.
 pub(crate) fn trim_pool(ctx: &Arc<CudaContext>) -> Result<()> {
@@ -632,5 +675,141 @@ pub(crate) fn launch_loss(op: &'static str, dev: &CudaDevice, args: LossArgs<'_>
             unsafe { l.launch(cfg) }.w(op, "launch")?;
         }
     }
+    Ok(())
+}
+
+/// Launches one kernel of `attention.cu` on `dev`'s stream. The wrappers in
+/// `attention.rs` have checked every operand's extent against `dims` (each
+/// view holds every element its strides reach, the contiguous outputs
+/// `b * h * t * d` or `b * kvh * s * d`, the row vectors `b * h * t`);
+/// here the contiguous lengths are checked again before launching.
+pub(crate) fn launch_flash<T: DeviceRepr>(
+    op: &'static str,
+    dev: &CudaDevice,
+    kernel: KernelId,
+    args: FlashArgs<'_, T>,
+) -> Result<()> {
+    let bad = || Error::InvalidArgument {
+        op,
+        reason: "internal: an operand too short for its attention kernel".into(),
+    };
+    let stream = dev.cuda_stream();
+    let func = function(dev, kernel)?;
+    let mut l = stream.launch_builder(&func);
+    let block = (32 * FLASH_WARPS, 1, 1);
+    // The delta kernel's row count, which the builder borrows until launch.
+    let rows;
+    let cfg = match args {
+        FlashArgs::Forward {
+            q,
+            k,
+            v,
+            bias,
+            o,
+            lse,
+            dims,
+            tiles,
+        } => {
+            if o.len() < dims.q_elems() || lse.len() < dims.q_rows() {
+                return Err(bad());
+            }
+            l.arg(q).arg(k).arg(v).arg(bias).arg(o).arg(lse).arg(dims);
+            LaunchConfig {
+                grid_dim: (dims.b * dims.h, tiles, 1),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            }
+        }
+        FlashArgs::Delta { o, g, delta, dims } => {
+            rows = dims.q_rows() as u64;
+            if o.len() < dims.q_elems() || g.len() < dims.q_elems() || delta.len() < dims.q_rows() {
+                return Err(bad());
+            }
+            l.arg(o).arg(g).arg(delta).arg(&rows).arg(&dims.d);
+            LaunchConfig {
+                grid_dim: (rows.div_ceil(8).clamp(1, 65_535) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        }
+        FlashArgs::Dq {
+            q,
+            k,
+            v,
+            bias,
+            g,
+            lse,
+            delta,
+            dq,
+            dims,
+            tiles,
+        } => {
+            let short = g.len() < dims.q_elems() || dq.len() < dims.q_elems();
+            if short || lse.len() < dims.q_rows() || delta.len() < dims.q_rows() {
+                return Err(bad());
+            }
+            l.arg(q)
+                .arg(k)
+                .arg(v)
+                .arg(bias)
+                .arg(g)
+                .arg(lse)
+                .arg(delta)
+                .arg(dq)
+                .arg(dims);
+            LaunchConfig {
+                grid_dim: (dims.b * dims.h, tiles, 1),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            }
+        }
+        FlashArgs::Dkdv {
+            q,
+            k,
+            v,
+            bias,
+            g,
+            lse,
+            delta,
+            dk,
+            dv,
+            dims,
+            tiles,
+        } => {
+            let short = g.len() < dims.q_elems() || dk.len() < dims.kv_elems();
+            if short
+                || dv.len() < dims.kv_elems()
+                || lse.len() < dims.q_rows()
+                || delta.len() < dims.q_rows()
+            {
+                return Err(bad());
+            }
+            l.arg(q)
+                .arg(k)
+                .arg(v)
+                .arg(bias)
+                .arg(g)
+                .arg(lse)
+                .arg(delta)
+                .arg(dk)
+                .arg(dv)
+                .arg(dims);
+            LaunchConfig {
+                grid_dim: (dims.b * dims.kvh, tiles, 1),
+                block_dim: block,
+                shared_mem_bytes: 0,
+            }
+        }
+    };
+    // SAFETY: each variant pushes its kernel's parameters in order with the
+    // C types of `attention.cu` (device pointers of the element type or
+    // f32, `FlashDims` by value, u64 and u32 for the delta kernel). The
+    // kernels read q, k, v and the bias only at offsets their strides in
+    // `dims` reach for indices below `dims`' sizes, which `attention.rs`
+    // checked against each view's length, and write the contiguous outputs
+    // within the lengths checked above; blocks of `32 * FLASH_WARPS`
+    // threads match the kernels' `__launch_bounds__` and static shared
+    // memory (48 KiB, no dynamic part).
+    unsafe { l.launch(cfg) }.w(op, "launch")?;
     Ok(())
 }

@@ -61,6 +61,7 @@
 //! storage with other tensors of the call ([`Error::AliasedStorage`]), as
 //! on the CPU.
 
+mod attention;
 mod launch;
 mod loss;
 mod operands;
@@ -80,6 +81,10 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
 use crate::{Error, Result};
 
+pub use attention::{
+    flash_attention_backward, flash_attention_forward, flash_supported, FlashMask,
+    FLASH_MAX_HEAD_DIM,
+};
 pub use loss::{cross_entropy_backward, cross_entropy_forward};
 pub(crate) use operands::storage_key;
 pub(crate) use ops::*;
@@ -87,7 +92,10 @@ pub use pointwise::{
     activation_backward, activation_forward, rope_rotate, swiglu_backward, swiglu_forward,
     Activation,
 };
-pub use pool::{empty_cache, mem_get_info, retain_freed_memory};
+pub use pool::{
+    device_name, empty_cache, max_memory_allocated, mem_get_info, reset_peak_memory_stats,
+    retain_freed_memory,
+};
 pub use rows::{row_norm_backward, row_norm_forward, softmax_rows, softmax_rows_backward};
 
 /// Smallest and largest chunk of a launch table, in elements. Chunk
@@ -130,10 +138,12 @@ pub(crate) enum ModuleId {
     Softmax,
     /// `loss.cu`: mean cross entropy, forward and backward, without host reads.
     Loss,
+    /// `attention.cu`: tiled attention with an online softmax, forward and backward.
+    Attention,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 9] = [
+const MODULES: [(&str, &str); 10] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
@@ -143,10 +153,11 @@ const MODULES: [(&str, &str); 9] = [
     ("rope", include_str!("rope.cu")),
     ("softmax", include_str!("softmax.cu")),
     ("loss", include_str!("loss.cu")),
+    ("attention", include_str!("attention.cu")),
 ];
 
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 9] = [
+pub(crate) const ALL_MODULES: [ModuleId; 10] = [
     ModuleId::Cast,
     ModuleId::Unscale,
     ModuleId::Optim,
@@ -156,6 +167,7 @@ pub(crate) const ALL_MODULES: [ModuleId; 9] = [
     ModuleId::Rope,
     ModuleId::Softmax,
     ModuleId::Loss,
+    ModuleId::Attention,
 ];
 
 impl ModuleId {
@@ -242,6 +254,18 @@ kernels! {
     XentRows => Loss, "xent_rows";
     XentMean => Loss, "xent_mean";
     XentGrad => Loss, "xent_grad";
+    FlashFwdF32 => Attention, "flash_fwd_f32";
+    FlashFwdBf16 => Attention, "flash_fwd_bf16";
+    FlashFwdF16 => Attention, "flash_fwd_f16";
+    FlashDeltaF32 => Attention, "flash_delta_f32";
+    FlashDeltaBf16 => Attention, "flash_delta_bf16";
+    FlashDeltaF16 => Attention, "flash_delta_f16";
+    FlashDqF32 => Attention, "flash_dq_f32";
+    FlashDqBf16 => Attention, "flash_dq_bf16";
+    FlashDqF16 => Attention, "flash_dq_f16";
+    FlashDkdvF32 => Attention, "flash_dkdv_f32";
+    FlashDkdvBf16 => Attention, "flash_dkdv_bf16";
+    FlashDkdvF16 => Attention, "flash_dkdv_f16";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).
@@ -320,6 +344,18 @@ impl KernelId {
     pub(crate) fn max_abs(dtype: DType) -> KernelId {
         use KernelId::*;
         by_dtype(dtype, MaxAbsF32, MaxAbsBf16, MaxAbsF16)
+    }
+
+    /// The attention kernels for operands of `dtype`: forward, the row
+    /// dot products of the backward, dq, and dk with dv.
+    pub(crate) fn flash(dtype: DType) -> [KernelId; 4] {
+        use KernelId::*;
+        [
+            by_dtype(dtype, FlashFwdF32, FlashFwdBf16, FlashFwdF16),
+            by_dtype(dtype, FlashDeltaF32, FlashDeltaBf16, FlashDeltaF16),
+            by_dtype(dtype, FlashDqF32, FlashDqBf16, FlashDqF16),
+            by_dtype(dtype, FlashDkdvF32, FlashDkdvBf16, FlashDkdvF16),
+        ]
     }
 }
 

@@ -15,7 +15,7 @@
 
 use candle_core::Device;
 
-use super::launch::{set_release_threshold, trim_pool};
+use super::launch::{pool_used_high, reset_pool_used_high, set_release_threshold, trim_pool};
 use super::{cuda_of, WrapDriver};
 use crate::Result;
 
@@ -66,4 +66,50 @@ pub fn mem_get_info(device: &Device) -> Result<(usize, usize)> {
     let dev = cuda_of("mem_get_info", device)?;
     let ctx = dev.cuda_stream().context().clone();
     ctx.mem_get_info().w("mem_get_info", "cuMemGetInfo")
+}
+
+/// The most memory live tensors of `device` held at once since the device
+/// was made or since [`reset_peak_memory_stats`], in bytes: the high-water
+/// mark of the device's memory pool, from which cudarc allocates every
+/// candle tensor (`torch.cuda.max_memory_allocated()`). `None` where the
+/// device has no memory pools (plain `cuMemAlloc` keeps no such mark).
+///
+/// # Errors
+/// [`crate::Error::Cuda`] from the driver, [`crate::Error::InvalidArgument`] for a
+/// non-CUDA device.
+pub fn max_memory_allocated(device: &Device) -> Result<Option<u64>> {
+    let dev = cuda_of("max_memory_allocated", device)?;
+    let ctx = dev.cuda_stream().context().clone();
+    if !ctx.has_async_alloc() {
+        return Ok(None);
+    }
+    // Frees still queued on the stream count until they run.
+    device.synchronize()?;
+    pool_used_high(&ctx).map(Some)
+}
+
+/// Starts [`max_memory_allocated`]'s mark again from the memory in use now
+/// (`torch.cuda.reset_peak_memory_stats()`). Synchronises the device first.
+///
+/// # Errors
+/// As [`max_memory_allocated`].
+pub fn reset_peak_memory_stats(device: &Device) -> Result<()> {
+    let dev = cuda_of("reset_peak_memory_stats", device)?;
+    let ctx = dev.cuda_stream().context().clone();
+    if !ctx.has_async_alloc() {
+        return Ok(());
+    }
+    device.synchronize()?;
+    reset_pool_used_high(&ctx)
+}
+
+/// The device's name as the driver reports it (`torch.cuda.get_device_name()`).
+///
+/// # Errors
+/// [`crate::Error::Cuda`] from the driver, [`crate::Error::InvalidArgument`] for a
+/// non-CUDA device.
+pub fn device_name(device: &Device) -> Result<String> {
+    let dev = cuda_of("device_name", device)?;
+    let ctx = dev.cuda_stream().context().clone();
+    ctx.name().w("device_name", "cuDeviceGetName")
 }

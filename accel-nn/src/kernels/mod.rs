@@ -27,6 +27,7 @@ mod raw;
 
 mod act;
 mod attention;
+mod attention_cuda;
 mod attention_packed;
 mod flash;
 mod gemm_bf16;
@@ -43,6 +44,7 @@ pub(crate) use attention::{attention, MaskSpec};
 pub use attention::{attention_kernel, AttentionKernel};
 #[cfg(test)]
 pub(crate) use attention::{attention_reference, attention_tiled};
+pub(crate) use attention_cuda::{attention_cuda, cuda_supported as attention_cuda_supported};
 pub(crate) use attention_packed::attention_packed;
 pub(crate) use linear::{linear, Act};
 pub(crate) use loss::{cross_entropy, linear_cross_entropy};

@@ -3,7 +3,7 @@
 
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 
-use super::{fused, upcast};
+use super::{fused, fused_cuda, upcast};
 use crate::kernels::{self, MaskSpec};
 
 /// Which keys each query may attend to.
@@ -49,6 +49,21 @@ impl AttentionMask {
     }
 }
 
+/// Whether CUDA tensors take the tiled kernels of `attention.cu` (forward,
+/// and a backward that recomputes the probabilities; nothing `[t, s]` is
+/// stored). Off until a GPU run of `scripts/gpu_check.sh` has passed
+/// `cuda_attention_matches_...` (in `attention/tests.rs`): the kernels
+/// compile in CI but have never run.
+const CUDA_ATTENTION_CHECKED: bool = false;
+
+/// Whether q, k, v (and the mask's bias) take the CUDA kernels.
+fn takes_cuda(q: &Tensor, k: &Tensor, v: &Tensor, bias_is_constant: bool) -> bool {
+    CUDA_ATTENTION_CHECKED
+        && bias_is_constant
+        && fused_cuda(q)
+        && kernels::attention_cuda_supported(q, k, v)
+}
+
 /// `softmax(q k^T * scale + mask) v`, per head, for q `[b, h, t, d]` and
 /// k, v `[b, kv_h, s, d]` where `kv_h` divides `h` (query head `i` uses kv
 /// head `i / (h / kv_h)`, HF's `repeat_kv` order; the fused kernel reads the
@@ -77,7 +92,8 @@ pub fn scaled_dot_product_attention(
     let (offset, bias) = mask.parts();
     let same_dtype = k.dtype() == q.dtype() && v.dtype() == q.dtype();
     let bias_is_constant = bias.is_none_or(|b| !b.track_op());
-    if !(fused(q) && same_dtype && bias_is_constant) {
+    let cuda = takes_cuda(q, k, v, bias_is_constant);
+    if !(cuda || fused(q) && same_dtype && bias_is_constant) {
         return composed_attention(q, k, v, mask, scale);
     }
     let bias = bias
@@ -87,6 +103,9 @@ pub fn scaled_dot_product_attention(
         causal_offset: offset,
         bias,
     };
+    if cuda {
+        return kernels::attention_cuda(q, k, v, spec, scale);
+    }
     kernels::attention(q, k, v, spec, scale)
 }
 
@@ -110,7 +129,17 @@ pub fn attention_qkv(
         )
     }
     let (offset, bias) = mask.parts();
-    if !(fused(qkv) && bias.is_none_or(|b| !b.track_op())) {
+    let bias_is_constant = bias.is_none_or(|b| !b.track_op());
+    if CUDA_ATTENTION_CHECKED && bias_is_constant && fused_cuda(qkv) {
+        // Heads split with views; the kernels read them in place.
+        let d = three_d / 3;
+        let x = qkv.reshape((b, t, 3, n_head, d / n_head))?;
+        let part = |i| x.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+        let (q, k, v) = (part(0)?, part(1)?, part(2)?);
+        let y = scaled_dot_product_attention(&q, &k, &v, mask, scale)?;
+        return y.transpose(1, 2)?.reshape((b, t, d));
+    }
+    if !(fused(qkv) && bias_is_constant) {
         return composed_attention_qkv(qkv, n_head, mask, scale);
     }
     let bias = bias

@@ -216,3 +216,111 @@ fn packed_qkv_attention_matches_composed_through_every_mask() -> Result<()> {
         "packed vs split",
     )
 }
+
+/// One case of the CUDA check: shapes, mask, dtype and tolerance.
+struct CudaCase {
+    dims: (usize, usize, usize, usize, usize, usize),
+    causal: Option<usize>,
+    /// Padding fill for a `[b, 1, 1, s]` bias (see [`padding`]).
+    pad: Option<f32>,
+    dtype: candle_core::DType,
+    /// q, k and v as head views of one fused `[b, t, 3 * h * d]` buffer.
+    strided: bool,
+}
+
+/// The tiled kernels of `attention.cu` against the CPU's tiled kernel,
+/// output and the three gradients: causal and not, a KV cache's offset,
+/// decode (one query), grouped-query heads (2:1 and 4:1), padding biases
+/// with -inf (whole rows masked) and -1e9, head dims 64, 80 and 128, sizes
+/// that are no multiple of a tile, strided views of a fused projection, and
+/// bf16/f16. What must pass before `CUDA_ATTENTION_CHECKED`.
+#[test]
+#[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+fn cuda_attention_matches_the_cpu_kernel_and_its_gradients() -> Result<()> {
+    use candle_core::DType::{BF16, F16, F32};
+    let gpu = accel_kernels::cuda_device(0)
+        .unwrap_or_else(|e| panic!("needs a CUDA device (build with --features cuda): {e}"));
+    let case = |dims, causal, pad, dtype, strided| CudaCase {
+        dims,
+        causal,
+        pad,
+        dtype,
+        strided,
+    };
+    let cases = [
+        case((2, 4, 4, 37, 37, 64), Some(0), None, F32, false),
+        case((1, 8, 2, 130, 130, 128), Some(0), None, F32, false),
+        case((2, 4, 1, 33, 70, 64), None, Some(-1e9), F32, false),
+        case(
+            (4, 2, 2, 3, 3, 64),
+            None,
+            Some(f32::NEG_INFINITY),
+            F32,
+            false,
+        ),
+        case((1, 4, 4, 5, 133, 64), Some(128), None, F32, false),
+        case((3, 2, 2, 1, 50, 80), Some(49), None, F32, false),
+        case((2, 3, 3, 65, 65, 64), Some(0), Some(-1e9), F32, true),
+        case((1, 8, 2, 130, 130, 128), Some(0), None, BF16, false),
+        case((2, 4, 4, 100, 100, 64), Some(0), None, F16, true),
+    ];
+    for (n, c) in cases.iter().enumerate() {
+        let (b, h, kvh, t, s, d) = c.dims;
+        let what = format!(
+            "case {n} {:?} {:?} pad {:?} {:?}",
+            c.dims, c.causal, c.pad, c.dtype
+        );
+        let scale = 1.0 / (d as f64).sqrt();
+        let seed = 300 + 10 * n as u64;
+        let (q, k, v) = if c.strided {
+            (randn(&[b, t, 3 * h * d], seed, 1.0)?, None, None)
+        } else {
+            let q = randn(&[b, h, t, d], seed, 1.0)?;
+            let k = randn(&[b, kvh, s, d], seed + 1, 1.0)?;
+            (q, Some(k), Some(randn(&[b, kvh, s, d], seed + 2, 1.0)?))
+        };
+        let g = randn(&[b, h, t, d], seed + 3, 1.0)?;
+        let bias = c.pad.map(|fill| padding(b, s, fill)).transpose()?;
+        let run = |dev: &Device, cuda: bool| -> Result<Vec<Tensor>> {
+            let vars = [Some(&q), k.as_ref(), v.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|x| Var::from_tensor(&x.to_dtype(c.dtype)?.to_device(dev)?))
+                .collect::<Result<Vec<_>>>()?;
+            let (qt, kt, vt) = if c.strided {
+                let x = vars[0].as_tensor().reshape((b, t, 3, h, d))?;
+                let part = |i| x.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2);
+                (part(0)?, part(1)?, part(2)?)
+            } else {
+                let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+                (ts[0].clone(), ts[1].clone(), ts[2].clone())
+            };
+            let spec = MaskSpec {
+                causal_offset: c.causal,
+                bias: bias
+                    .as_ref()
+                    .map(|x| x.to_device(dev)?.broadcast_as((b, h, t, s)))
+                    .transpose()?,
+            };
+            let y = if cuda {
+                kernels::attention_cuda(&qt, &kt, &vt, spec, scale)?
+            } else {
+                kernels::attention_tiled(&qt, &kt, &vt, spec, scale)?
+            };
+            let loss = (y.to_dtype(F32)? * g.to_device(dev)?)?.sum_all()?;
+            let grads = loss.backward()?;
+            let mut out = vec![y.to_dtype(F32)?.to_device(&Device::Cpu)?];
+            for var in &vars {
+                let dx = grads.get(var).expect("a gradient");
+                out.push(dx.to_dtype(F32)?.to_device(&Device::Cpu)?);
+            }
+            Ok(out)
+        };
+        let (want, got) = (run(&Device::Cpu, false)?, run(&gpu, true)?);
+        let tol = if c.dtype == F32 { 1e-5 } else { 1e-2 };
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(g, w, tol, &format!("{what}: output {i}"))?;
+        }
+    }
+    Ok(())
+}

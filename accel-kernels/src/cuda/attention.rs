@@ -1,0 +1,447 @@
+//! Attention on CUDA (`attention.cu`): FlashAttention-2's algorithm, the
+//! twin of accel-nn's tiled CPU kernel. The forward keeps the output and one
+//! log-sum-exp per query row; the backward recomputes the probabilities
+//! from them in two kernels (dq per query tile, dk and dv per key tile), so
+//! nothing `[t, s]` is ever stored and no result depends on scheduling.
+//!
+//! Operands: q `[b, h, t, d]`, k and v `[b, kvh, s, d]` (`kvh` divides `h`)
+//! of one float dtype, strided views with a contiguous last dimension; an
+//! optional f32 bias `[b, h, t, s]` with any strides (zero strides for
+//! broadcast masks); head dims up to [`FLASH_MAX_HEAD_DIM`].
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::{CudaDType, CudaStorage};
+use candle_core::{DType, Layout};
+use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
+use half::{bf16, f16};
+
+use super::launch::launch_flash;
+use super::{KernelId, WrapDriver};
+use crate::{Error, Result};
+
+/// The largest head dimension the kernels take (`FA_DMAX`): each tile row
+/// is staged whole in shared memory.
+pub const FLASH_MAX_HEAD_DIM: usize = 128;
+/// Warps per block of the tiled kernels (`FA_WARPS`).
+pub(crate) const FLASH_WARPS: u32 = 4;
+/// Query rows per block of the forward (`FA_FWD_BR`), of dq (`FA_DQ_BR`),
+/// and keys per block of dk/dv (`FA_KV_BC`).
+const FWD_ROWS: usize = 32;
+const DQ_ROWS: usize = 16;
+const KV_KEYS: usize = 16;
+
+/// The mask and scale of a call.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlashMask {
+    /// Multiplies `q k^T` before the bias is added.
+    pub scale: f32,
+    /// Causal masking with the first query at this absolute position (key
+    /// `j` visible from query `i` when `j <= offset + i`).
+    pub causal_offset: Option<usize>,
+}
+
+/// `struct FlashDims` of `attention.cu`, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct FlashDims {
+    pub b: u32,
+    pub h: u32,
+    pub kvh: u32,
+    pub t: u32,
+    pub s: u32,
+    pub d: u32,
+    pub causal: u32,
+    pub offset: u32,
+    pub scale: f32,
+    pub has_bias: u32,
+    pub qs: [u64; 3],
+    pub ks: [u64; 3],
+    pub vs: [u64; 3],
+    pub bs: [u64; 4],
+}
+
+const _: () = assert!(std::mem::size_of::<FlashDims>() == 144);
+
+impl FlashDims {
+    /// Elements of q, the output and their gradients.
+    pub(crate) fn q_elems(&self) -> usize {
+        self.q_rows() * self.d as usize
+    }
+
+    /// Query rows over all heads (the log-sum-exps).
+    pub(crate) fn q_rows(&self) -> usize {
+        (self.b * self.h) as usize * self.t as usize
+    }
+
+    /// Elements of k, v and their gradients.
+    pub(crate) fn kv_elems(&self) -> usize {
+        (self.b * self.kvh) as usize * self.s as usize * self.d as usize
+    }
+}
+
+/// The arguments of each kernel of `attention.cu`, in its parameter order.
+pub(crate) enum FlashArgs<'a, T> {
+    /// `flash_fwd_*(q, k, v, bias, o, lse, dims)`.
+    Forward {
+        q: &'a CudaView<'a, T>,
+        k: &'a CudaView<'a, T>,
+        v: &'a CudaView<'a, T>,
+        bias: &'a CudaView<'a, f32>,
+        o: &'a mut CudaSlice<T>,
+        lse: &'a mut CudaSlice<f32>,
+        dims: &'a FlashDims,
+        tiles: u32,
+    },
+    /// `flash_delta_*(o, g, delta, rows, d)`.
+    Delta {
+        o: &'a CudaView<'a, T>,
+        g: &'a CudaView<'a, T>,
+        delta: &'a mut CudaSlice<f32>,
+        dims: &'a FlashDims,
+    },
+    /// `flash_dq_*(q, k, v, bias, g, lse, delta, dq, dims)`.
+    Dq {
+        q: &'a CudaView<'a, T>,
+        k: &'a CudaView<'a, T>,
+        v: &'a CudaView<'a, T>,
+        bias: &'a CudaView<'a, f32>,
+        g: &'a CudaView<'a, T>,
+        lse: &'a CudaView<'a, f32>,
+        delta: &'a CudaSlice<f32>,
+        dq: &'a mut CudaSlice<T>,
+        dims: &'a FlashDims,
+        tiles: u32,
+    },
+    /// `flash_dkdv_*(q, k, v, bias, g, lse, delta, dk, dv, dims)`.
+    Dkdv {
+        q: &'a CudaView<'a, T>,
+        k: &'a CudaView<'a, T>,
+        v: &'a CudaView<'a, T>,
+        bias: &'a CudaView<'a, f32>,
+        g: &'a CudaView<'a, T>,
+        lse: &'a CudaView<'a, f32>,
+        delta: &'a CudaSlice<f32>,
+        dk: &'a mut CudaSlice<T>,
+        dv: &'a mut CudaSlice<T>,
+        dims: &'a FlashDims,
+        tiles: u32,
+    },
+}
+
+fn invalid(op: &'static str, reason: String) -> Error {
+    Error::InvalidArgument { op, reason }
+}
+
+/// Whether the kernels take a head dimension `d` and operands of `dtype`
+/// (other head dims and dtypes run accel-nn's composed attention).
+pub fn flash_supported(dtype: DType, d: usize) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && (1..=FLASH_MAX_HEAD_DIM).contains(&d)
+}
+
+/// Checks the shapes and builds the kernels' `FlashDims`.
+fn flash_dims(
+    op: &'static str,
+    (ql, kl, vl): (&Layout, &Layout, &Layout),
+    bias: Option<&Layout>,
+    mask: FlashMask,
+) -> Result<FlashDims> {
+    let ([b, h, t, d], [kb, kvh, s, kd]) = (ql.dims(), kl.dims()) else {
+        return Err(invalid(
+            op,
+            format!("q {:?} and k {:?} must be 4-D", ql.dims(), kl.dims()),
+        ));
+    };
+    let (b, h, t, d, kvh, s) = (*b, *h, *t, *d, *kvh, *s);
+    if (*kb, *kd) != (b, d) || vl.dims() != [b, kvh, s, d] || kvh == 0 || h % kvh != 0 {
+        return Err(invalid(
+            op,
+            format!(
+                "q {:?} needs k and v [{b}, kv_heads dividing {h}, s, {d}], got {:?} and {:?}",
+                ql.dims(),
+                kl.dims(),
+                vl.dims()
+            ),
+        ));
+    }
+    if !(1..=FLASH_MAX_HEAD_DIM).contains(&d) {
+        return Err(invalid(
+            op,
+            format!("head dim {d} is not 1..={FLASH_MAX_HEAD_DIM}"),
+        ));
+    }
+    if let Some(bl) = bias {
+        if bl.dims() != [b, h, t, s] {
+            return Err(invalid(
+                op,
+                format!("bias {:?} is not [{b}, {h}, {t}, {s}]", bl.dims()),
+            ));
+        }
+    }
+    let small = |v: usize| u32::try_from(v).ok();
+    let offset = mask.causal_offset.unwrap_or(0);
+    // Grids: (b * h, tiles), at most 65535 tiles.
+    let tiles_fit = t.div_ceil(DQ_ROWS) <= 65_535 && s.div_ceil(KV_KEYS) <= 65_535;
+    let fits = [b * h, b * kvh, t, s, offset]
+        .iter()
+        .all(|&v| small(v).is_some());
+    if !(fits && tiles_fit) {
+        return Err(invalid(
+            op,
+            format!("q {:?} and k {:?} are too large", ql.dims(), kl.dims()),
+        ));
+    }
+    let strides = |l: &Layout, index: usize| -> Result<[u64; 3]> {
+        let st = l.stride();
+        if st[3] != 1 && d > 1 {
+            return Err(Error::RequiresContiguous { op, index });
+        }
+        Ok([st[0] as u64, st[1] as u64, st[2] as u64])
+    };
+    let bs = bias.map_or([0; 4], |bl| {
+        let st = bl.stride();
+        [st[0] as u64, st[1] as u64, st[2] as u64, st[3] as u64]
+    });
+    Ok(FlashDims {
+        b: b as u32,
+        h: h as u32,
+        kvh: kvh as u32,
+        t: t as u32,
+        s: s as u32,
+        d: d as u32,
+        causal: mask.causal_offset.is_some() as u32,
+        offset: offset as u32,
+        scale: mask.scale,
+        has_bias: bias.is_some() as u32,
+        qs: strides(ql, 0)?,
+        ks: strides(kl, 1)?,
+        vs: strides(vl, 2)?,
+        bs,
+    })
+}
+
+/// The elements of `(s, l)` from its start offset as a view, checked to
+/// hold every element its strides reach; `index` names the operand.
+fn strided_view<'a, T: CudaDType>(
+    op: &'static str,
+    index: usize,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let slice = s
+        .as_cuda_slice::<T>()
+        .map_err(|_| Error::UnsupportedDType {
+            op,
+            dtype: s.dtype(),
+        })?;
+    let extent = if l.dims().contains(&0) {
+        0
+    } else {
+        1 + l
+            .dims()
+            .iter()
+            .zip(l.stride())
+            .map(|(&n, &st)| (n - 1) * st)
+            .sum::<usize>()
+    };
+    let start = l.start_offset();
+    if start + extent > slice.len() {
+        return Err(invalid(
+            op,
+            format!("operand {index} reaches past its storage"),
+        ));
+    }
+    Ok(slice.slice(start..))
+}
+
+/// The contiguous elements of `(s, l)` as a view.
+fn contiguous_view<'a, T: CudaDType>(
+    op: &'static str,
+    index: usize,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or(Error::RequiresContiguous { op, index })?;
+    let slice = s
+        .as_cuda_slice::<T>()
+        .map_err(|_| Error::UnsupportedDType {
+            op,
+            dtype: s.dtype(),
+        })?;
+    Ok(slice.slice(start..end))
+}
+
+/// `softmax(q k^T * scale + bias) v` per head (rows that see no key give
+/// 0) and the log-sum-exp of each query row, `[b, h, t]` f32 (`-inf` for
+/// such rows), which [`flash_attention_backward`] takes back.
+///
+/// # Errors
+/// Shapes that do not fit, a head dim past [`FLASH_MAX_HEAD_DIM`], mixed or
+/// unsupported dtypes, a last dimension that is not contiguous, driver errors.
+pub fn flash_attention_forward(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    mask: FlashMask,
+) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = "flash_attention_forward";
+    let dims = flash_dims(OP, (q.1, k.1, v.1), bias.map(|b| b.1), mask)?;
+    match q.0.dtype() {
+        DType::F32 => forward::<f32>(OP, (q, k, v), bias, &dims),
+        DType::BF16 => forward::<bf16>(OP, (q, k, v), bias, &dims),
+        DType::F16 => forward::<f16>(OP, (q, k, v), bias, &dims),
+        dtype => Err(Error::UnsupportedDType { op: OP, dtype }),
+    }
+}
+
+type Operand<'a> = (&'a CudaStorage, &'a Layout);
+
+fn forward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+    op: &'static str,
+    (q, k, v): (Operand<'_>, Operand<'_>, Operand<'_>),
+    bias: Option<Operand<'_>>,
+    dims: &FlashDims,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let dev = q.0.device.clone();
+    let stream = dev.cuda_stream();
+    let (qv, kv, vv) = (
+        strided_view::<T>(op, 0, q.0, q.1)?,
+        strided_view::<T>(op, 1, k.0, k.1)?,
+        strided_view::<T>(op, 2, v.0, v.1)?,
+    );
+    let none: CudaSlice<f32> = stream.alloc_zeros(1).w(op, "alloc")?;
+    let bv = match bias {
+        Some((s, l)) => strided_view::<f32>(op, 3, s, l)?,
+        None => none.slice(..),
+    };
+    let mut o: CudaSlice<T> = stream.alloc_zeros(dims.q_elems().max(1)).w(op, "alloc")?;
+    let mut lse: CudaSlice<f32> = stream.alloc_zeros(dims.q_rows().max(1)).w(op, "alloc")?;
+    if dims.q_rows() > 0 {
+        let args = FlashArgs::Forward {
+            q: &qv,
+            k: &kv,
+            v: &vv,
+            bias: &bv,
+            o: &mut o,
+            lse: &mut lse,
+            dims,
+            tiles: (dims.t as usize).div_ceil(FWD_ROWS) as u32,
+        };
+        launch_flash(op, &dev, KernelId::flash(q.0.dtype())[0], args)?;
+    }
+    Ok((
+        CudaStorage::wrap_cuda_slice(o, dev.clone()),
+        CudaStorage::wrap_cuda_slice(lse, dev),
+    ))
+}
+
+/// The gradients `(dq, dk, dv)` of [`flash_attention_forward`], contiguous
+/// `[b, h, t, d]` and `[b, kvh, s, d]` in the operands' dtype, from the
+/// forward's output `o` and log-sum-exps `lse` and the output gradient `g`
+/// (`o` and `g` contiguous `[b, h, t, d]`, `lse` contiguous f32).
+///
+/// # Errors
+/// As [`flash_attention_forward`]; `o`, `g` or `lse` of another shape.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attention_backward(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    o: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    lse: (&CudaStorage, &Layout),
+    bias: Option<(&CudaStorage, &Layout)>,
+    mask: FlashMask,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    const OP: &str = "flash_attention_backward";
+    let dims = flash_dims(OP, (q.1, k.1, v.1), bias.map(|b| b.1), mask)?;
+    let (b, h, t) = (dims.b as usize, dims.h as usize, dims.t as usize);
+    if o.1.dims() != q.1.dims() || g.1.dims() != q.1.dims() || lse.1.dims() != [b, h, t] {
+        return Err(invalid(
+            OP,
+            format!(
+                "output {:?}, its gradient {:?} and log-sum-exps {:?} do not match q {:?}",
+                o.1.dims(),
+                g.1.dims(),
+                lse.1.dims(),
+                q.1.dims()
+            ),
+        ));
+    }
+    let saved = (o, g, lse);
+    match q.0.dtype() {
+        DType::F32 => backward::<f32>(OP, (q, k, v), saved, bias, &dims),
+        DType::BF16 => backward::<bf16>(OP, (q, k, v), saved, bias, &dims),
+        DType::F16 => backward::<f16>(OP, (q, k, v), saved, bias, &dims),
+        dtype => Err(Error::UnsupportedDType { op: OP, dtype }),
+    }
+}
+
+fn backward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
+    op: &'static str,
+    (q, k, v): (Operand<'_>, Operand<'_>, Operand<'_>),
+    (o, g, lse): (Operand<'_>, Operand<'_>, Operand<'_>),
+    bias: Option<Operand<'_>>,
+    dims: &FlashDims,
+) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    let dev = q.0.device.clone();
+    let stream = dev.cuda_stream();
+    let (qv, kv, vv) = (
+        strided_view::<T>(op, 0, q.0, q.1)?,
+        strided_view::<T>(op, 1, k.0, k.1)?,
+        strided_view::<T>(op, 2, v.0, v.1)?,
+    );
+    let ov = contiguous_view::<T>(op, 3, o.0, o.1)?;
+    let gv = contiguous_view::<T>(op, 4, g.0, g.1)?;
+    let lv = contiguous_view::<f32>(op, 5, lse.0, lse.1)?;
+    let none: CudaSlice<f32> = stream.alloc_zeros(1).w(op, "alloc")?;
+    let bv = match bias {
+        Some((s, l)) => strided_view::<f32>(op, 6, s, l)?,
+        None => none.slice(..),
+    };
+    let mut dq: CudaSlice<T> = stream.alloc_zeros(dims.q_elems().max(1)).w(op, "alloc")?;
+    let mut dk: CudaSlice<T> = stream.alloc_zeros(dims.kv_elems().max(1)).w(op, "alloc")?;
+    let mut dv: CudaSlice<T> = stream.alloc_zeros(dims.kv_elems().max(1)).w(op, "alloc")?;
+    if dims.q_rows() > 0 && dims.s > 0 {
+        let [_, delta_kernel, dq_kernel, dkdv_kernel] = KernelId::flash(q.0.dtype());
+        let mut delta: CudaSlice<f32> = stream.alloc_zeros(dims.q_rows()).w(op, "alloc")?;
+        let args = FlashArgs::Delta {
+            o: &ov,
+            g: &gv,
+            delta: &mut delta,
+            dims,
+        };
+        launch_flash(op, &dev, delta_kernel, args)?;
+        let args = FlashArgs::Dq {
+            q: &qv,
+            k: &kv,
+            v: &vv,
+            bias: &bv,
+            g: &gv,
+            lse: &lv,
+            delta: &delta,
+            dq: &mut dq,
+            dims,
+            tiles: (dims.t as usize).div_ceil(DQ_ROWS) as u32,
+        };
+        launch_flash(op, &dev, dq_kernel, args)?;
+        let args = FlashArgs::Dkdv {
+            q: &qv,
+            k: &kv,
+            v: &vv,
+            bias: &bv,
+            g: &gv,
+            lse: &lv,
+            delta: &delta,
+            dk: &mut dk,
+            dv: &mut dv,
+            dims,
+            tiles: (dims.s as usize).div_ceil(KV_KEYS) as u32,
+        };
+        launch_flash(op, &dev, dkdv_kernel, args)?;
+    }
+    let wrap = |s: CudaSlice<T>| CudaStorage::wrap_cuda_slice(s, dev.clone());
+    Ok((wrap(dq), wrap(dk), wrap(dv)))
+}
