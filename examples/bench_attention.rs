@@ -13,6 +13,16 @@
 //! kernel's buffers cost. `seconds` is the best of `--reps` calls after one
 //! warm-up. The reference kernel is skipped past `--reference-max` tokens
 //! (at 16384 its probabilities alone are 8 GiB).
+//!
+//! `--device cuda` (a build `--features cuda`) times GPT-2 small's shape
+//! instead, b 8, 12 heads, head dim 64, bf16, at 1024 and 4096 tokens, in
+//! this process: accel-nn's CUDA kernels (`ops::cuda_flash_attention`), the
+//! composed ops (up to `--reference-max`, 2048 by default there: they hold
+//! the `[b, h, t, t]` scores), and torch's SDPA on the same GPU (its flash
+//! kernel). `tflops` counts the causal forward and backward as
+//! flash-attention's benchmark does (3.5 times the forward's
+//! `2 * 2 * b * h * t * t * d / 2`); `peak_mib` is the memory pool's (or
+//! torch's) high-water mark over the timed calls, inputs included.
 
 use std::process::Command;
 use std::time::Instant;
@@ -26,21 +36,22 @@ use serde_json::{json, Value};
 
 #[derive(Parser, Debug)]
 struct Args {
-    /// Only `cpu`: the CUDA flash kernel is the GPU issue's.
+    /// `cpu`, or `cuda` (GPT-2 small's shape in bf16; see above).
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Print only the JSON object.
     #[arg(long)]
     json: bool,
-    /// Sequence lengths.
-    #[arg(long, value_delimiter = ',', default_value = "1024,4096,8192,16384")]
-    seq_lens: Vec<usize>,
+    /// Sequence lengths (default 1024,4096,8192,16384 on CPU, 1024,4096 on CUDA).
+    #[arg(long, value_delimiter = ',')]
+    seq_lens: Option<Vec<usize>>,
     /// Timed calls per length (the best is reported), after one warm-up.
     #[arg(long, default_value_t = 2)]
     reps: usize,
-    /// Longest length the reference kernel runs at.
-    #[arg(long, default_value_t = 8192)]
-    reference_max: usize,
+    /// Longest length the reference kernel (composed ops on CUDA) runs at
+    /// (default 8192 on CPU, 2048 on CUDA).
+    #[arg(long)]
+    reference_max: Option<usize>,
     /// Skip the torch side.
     #[arg(long)]
     no_python: bool,
@@ -99,13 +110,16 @@ fn child(t: usize, reps: usize) -> Result<Value> {
 fn main() -> Result<()> {
     accel_core::init_logging();
     let args = Args::parse();
-    if args.device != "cpu" {
-        bail!(
-            "--device {}: this benchmark times the CPU kernels; the CUDA flash kernel is not \
-             written yet",
-            args.device
-        );
+    match args.device.as_str() {
+        "cpu" => {}
+        "cuda" => return cuda::bench(&args),
+        other => bail!("--device {other}: `cpu` or `cuda`"),
     }
+    let seq_lens = args
+        .seq_lens
+        .clone()
+        .unwrap_or_else(|| vec![1024, 4096, 8192, 16384]);
+    let reference_max = args.reference_max.unwrap_or(8192);
     if let Some(spec) = &args.child {
         let t: usize = spec.parse().context("--child takes a sequence length")?;
         println!("{}", child(t, args.reps)?);
@@ -113,7 +127,7 @@ fn main() -> Result<()> {
     }
     let threads = accel_core::kernels::par::threads();
     let mut rows = vec![];
-    for &t in &args.seq_lens {
+    for &t in &seq_lens {
         let accel = |kernel: &str| -> Result<Value> {
             let mut cmd = Command::new(std::env::current_exe()?);
             cmd.args(["--child", &t.to_string(), "--reps", &args.reps.to_string()])
@@ -121,7 +135,7 @@ fn main() -> Result<()> {
             run_side(&mut cmd, &format!("accel-rs {kernel} at t = {t}"))
         };
         let tiled = accel("tiled")?;
-        let reference = if t <= args.reference_max {
+        let reference = if t <= reference_max {
             accel("reference")?
         } else {
             Value::Null
@@ -176,4 +190,111 @@ fn main() -> Result<()> {
     });
     println!("{out}");
     Ok(())
+}
+
+/// `--device cuda`: GPT-2 small's attention in bf16, in this process.
+mod cuda {
+    use super::*;
+    use candle_core::DType;
+
+    const B: usize = 8;
+    const HEADS: usize = 12;
+
+    /// Best seconds of `reps` causal forward+backward calls of `f` and the
+    /// pool's peak over them.
+    fn time(
+        dev: &Device,
+        t: usize,
+        reps: usize,
+        f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>,
+    ) -> Result<Value> {
+        let var = || -> Result<Var> {
+            let x = Tensor::randn(0f32, 1.0, (B, HEADS, t, D), dev)?.to_dtype(DType::BF16)?;
+            Ok(Var::from_tensor(&x)?)
+        };
+        let (q, k, v) = (var()?, var()?, var()?);
+        let g = Tensor::ones((B, HEADS, t, D), DType::BF16, dev)?;
+        let step = || -> Result<()> {
+            let y = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+            let grads = (y * &g)?.sum_all()?.backward()?;
+            anyhow::ensure!(grads.get(q.as_tensor()).is_some(), "no gradient for q");
+            Ok(())
+        };
+        step()?;
+        dev.synchronize()?;
+        accel_core::kernels::cuda::reset_peak_memory_stats(dev)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..reps {
+            let start = Instant::now();
+            step()?;
+            dev.synchronize()?;
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        let peak = accel_core::kernels::cuda::max_memory_allocated(dev)?;
+        let flops = 3.5 * (4 * B * HEADS * t * t * D) as f64 / 2.0;
+        Ok(json!({
+            "t": t,
+            "seconds": best,
+            "tflops": flops / best / 1e12,
+            "peak_mib": peak.map(|b| b as f64 / (1u64 << 20) as f64),
+        }))
+    }
+
+    pub(super) fn bench(args: &Args) -> Result<()> {
+        let dev = accel_examples::device_named("cuda")?;
+        let seq_lens = args.seq_lens.clone().unwrap_or_else(|| vec![1024, 4096]);
+        let composed_max = args.reference_max.unwrap_or(2048);
+        let mask = AttentionMask::Causal { offset: 0 };
+        let scale = 1.0 / (D as f64).sqrt();
+        let reps = args.reps.max(3);
+        let mut rows = vec![];
+        for &t in &seq_lens {
+            let flash = time(&dev, t, reps, &|q, k, v| {
+                ops::cuda_flash_attention(q, k, v, &mask, scale)
+            })?;
+            let composed = if t <= composed_max {
+                time(&dev, t, reps, &|q, k, v| {
+                    ops::composed::scaled_dot_product_attention(q, k, v, &mask, scale)
+                })?
+            } else {
+                Value::Null
+            };
+            let torch = if args.no_python {
+                Value::Null
+            } else {
+                let mut cmd = Command::new("python3");
+                cmd.arg(SCRIPT).arg(t.to_string()).args([
+                    "--device",
+                    "cuda",
+                    "--reps",
+                    &reps.to_string(),
+                ]);
+                run_side(&mut cmd, &format!("torch ({SCRIPT}) on cuda at t = {t}"))?
+            };
+            let ratio = |a: &Value, b: &Value| match (a["tflops"].as_f64(), b["tflops"].as_f64()) {
+                (Some(x), Some(y)) if y > 0.0 => json!(x / y),
+                _ => Value::Null,
+            };
+            let row = json!({
+                "t": t,
+                "flash": flash,
+                "composed": composed,
+                "torch": torch,
+                "flash_vs_torch": ratio(&flash, &torch),
+                "flash_vs_composed": ratio(&flash, &composed),
+            });
+            if !args.json {
+                eprintln!("{row}");
+            }
+            rows.push(row);
+        }
+        let out = json!({
+            "bench": "attention_causal_fwd_bwd_cuda",
+            "shape": {"b": B, "heads": HEADS, "kv_heads": HEADS, "head_dim": D, "dtype": "bf16"},
+            "gpu_name": accel_core::kernels::cuda::device_name(&dev)?,
+            "rows": rows,
+        });
+        println!("{out}");
+        Ok(())
+    }
 }

@@ -26,14 +26,27 @@
 //! ```text
 //! cargo run --release --example bench_train -- --json
 //! ```
+//!
+//! `--workload gpt2_124m` runs GPT-2 small at 8 x 1024 tokens a step instead
+//! (`accel_examples::bench_gpt2`): `accel_nn_tokens_per_s`,
+//! `accelerator_tokens_per_s`, `torch_tokens_per_s` (eager, SDPA, fused
+//! AdamW; `--torch-compile` adds `torch_compile_tokens_per_s`), `mfu`,
+//! `peak_gpu_mem_mib` and `torch_peak_gpu_mem_mib` on a GPU, `gpu_name`:
+//!
+//! ```text
+//! cargo run --release --example bench_train --features cuda -- --device cuda \
+//!     --workload gpt2_124m --mixed-precision bf16 --json
+//! ```
 
 use std::time::Instant;
 
 use accel_core::optim::transformers_no_decay;
 use accel_core::prelude::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, PrecisionType};
+use accel_examples::bench_gpt2::{self, Gpt2Options};
 use accel_examples::mnist_like::synthetic_classification;
 use accel_examples::stock::{StockGpt, StockMlp};
 use accel_examples::text::synthetic_tokens;
+use accel_examples::torch_worker::TorchWorker;
 use accel_examples::{Gpt, GptConfig, Mlp};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
@@ -67,6 +80,24 @@ struct Args {
     /// tracking costs a step.
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// `gpt2_124m` runs GPT-2 small instead of the `--only` workloads: the
+    /// rows `accel_nn`, `accelerator` and `torch` in the `--mixed-precision`
+    /// given (see `accel_examples::bench_gpt2`), reported in tokens/s with
+    /// `mfu` and peak GPU memory. A GPU workload: a CPU step takes minutes.
+    #[arg(long, value_parser = ["gpt2_124m"])]
+    workload: Option<String>,
+    /// gpt2_124m's sequences a step.
+    #[arg(long, default_value_t = 8)]
+    micro_batch: usize,
+    /// gpt2_124m's tokens a sequence (at most 1024).
+    #[arg(long, default_value_t = 1024)]
+    seq_len: usize,
+    /// gpt2_124m's steps per timed round (default 10 on a GPU, 1 on CPU).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// gpt2_124m: adds torch's `torch.compile` row (`torch_compile_tokens_per_s`).
+    #[arg(long)]
+    torch_compile: bool,
 }
 
 /// The device every row runs on (set once from `--device`).
@@ -104,10 +135,25 @@ fn main() -> Result<()> {
         env.as_deref(),
     )?);
     let mut out = serde_json::Map::new();
-    let mut torch = TorchWorker::start()?;
-    for (kind, name) in [(Kind::Mlp, MLP), (Kind::Gpt, GPT)] {
-        if args.only == "all" || args.only == kind.arg() {
-            out.insert(name.into(), bench(&args, kind, torch.as_mut())?);
+    let mut torch;
+    if args.workload.is_some() {
+        let opts = Gpt2Options {
+            device: device().clone(),
+            precision: args.mixed_precision.unwrap_or(PrecisionType::No),
+            micro_batch: args.micro_batch,
+            seq_len: args.seq_len,
+            rounds: args.rounds,
+            steps: args.steps.unwrap_or(if device().is_cpu() { 1 } else { 10 }),
+            torch_compile: args.torch_compile,
+        };
+        torch = TorchWorker::start(device(), &bench_gpt2::torch_args(&opts))?;
+        out = bench_gpt2::run(&opts, torch.as_mut())?;
+    } else {
+        torch = TorchWorker::start(device(), &[])?;
+        for (kind, name) in [(Kind::Mlp, MLP), (Kind::Gpt, GPT)] {
+            if args.only == "all" || args.only == kind.arg() {
+                out.insert(name.into(), bench(&args, kind, torch.as_mut())?);
+            }
         }
     }
     if let Some(t) = &torch {
@@ -354,80 +400,6 @@ fn accelerator_loop(kind: Kind, precision: PrecisionType) -> Result<Loop> {
     }))
 }
 
-/// PyTorch's side: `scripts/bench_train_torch.py --serve`, one timed round
-/// per request, so its rounds alternate with ours.
-struct TorchWorker {
-    child: std::process::Child,
-    requests: std::process::ChildStdin,
-    replies: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
-    version: String,
-}
-
-impl TorchWorker {
-    /// The worker, or `None` when `python3 -c "import torch"` fails.
-    fn start() -> Result<Option<Self>> {
-        let ok = std::process::Command::new("python3")
-            .args(["-c", "import torch"])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !ok {
-            return Ok(None);
-        }
-        let script = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../scripts/bench_train_torch.py"
-        );
-        let device = if device().is_cpu() { "cpu" } else { "cuda" };
-        let mut child = std::process::Command::new("python3")
-            .args([script, "--serve", "--threads", "2", "--device", device])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()?;
-        let requests = child.stdin.take().expect("piped stdin");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let mut worker = Self {
-            child,
-            requests,
-            replies: std::io::BufRead::lines(std::io::BufReader::new(stdout)),
-            version: String::new(),
-        };
-        let hello = worker.reply()?;
-        worker.version = hello["torch_version"].as_str().unwrap_or("?").to_string();
-        Ok(Some(worker))
-    }
-
-    fn reply(&mut self) -> Result<serde_json::Value> {
-        let line = self
-            .replies
-            .next()
-            .ok_or_else(|| anyhow::anyhow!("{TORCH_SCRIPT} exited early"))??;
-        Ok(serde_json::from_str(&line)?)
-    }
-
-    /// Steps/s of one timed round of `kind`, its forward under bf16
-    /// autocast when `bf16`.
-    fn round(&mut self, kind: Kind, bf16: bool) -> Result<f64> {
-        use std::io::Write;
-        let precision = if bf16 { " bf16" } else { "" };
-        writeln!(self.requests, "{}{precision}", kind.arg())?;
-        self.requests.flush()?;
-        let reply = self.reply()?;
-        reply["steps_per_s"]
-            .as_f64()
-            .ok_or_else(|| anyhow::anyhow!("{TORCH_SCRIPT}: unexpected reply {reply}"))
-    }
-}
-
-impl Drop for TorchWorker {
-    fn drop(&mut self) {
-        // Closing its stdin ends the worker's request loop.
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-const TORCH_SCRIPT: &str = "scripts/bench_train_torch.py";
-
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -467,9 +439,9 @@ fn bench(
     let mut rates: Vec<Vec<f64>> = vec![vec![]; loops.len()];
     let (mut torch_rates, mut torch_mixed_rates) = (vec![], vec![]);
     let mut torch_round = |t: &mut TorchWorker| -> Result<()> {
-        torch_rates.push(t.round(kind, false)?);
+        torch_rates.push(t.steps_per_s(kind.arg())?);
         if torch_bf16 {
-            torch_mixed_rates.push(t.round(kind, true)?);
+            torch_mixed_rates.push(t.steps_per_s(&format!("{} bf16", kind.arg()))?);
         }
         Ok(())
     };

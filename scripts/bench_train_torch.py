@@ -21,6 +21,16 @@ request also builds the model and runs two warm-up steps) and prints `{"steps_pe
 A line `mlp bf16` or `gpt bf16` does the same for another instance of the
 workload whose forward runs under `torch.autocast(dtype=torch.bfloat16)`
 (fp32 weights and optimizer, as accel-rs' bf16 mixed precision).
+
+`gpt2_124m` is GPT-2 small (vocab 50257, d 768, 12 layers, 12 heads, context
+1024, the same block as above) at `--micro-batch` x `--seq-len` tokens a step
+(8 x 1024 by default), trained as a PyTorch user on a GPU would: AdamW with
+`fused=True` on CUDA (PyTorch's fastest path there), SDPA (flash attention on
+the GPU). Requests: `gpt2_124m [bf16] [compile]`; `compile` wraps the loss in
+`torch.compile` (its first request compiles, untimed). On CUDA each reply
+also carries `peak_mem_mib`, `torch.cuda.max_memory_allocated()` since the
+instance was built (the first instance built is the eager one, so its figure
+holds only its own model).
 """
 import argparse
 import json
@@ -67,6 +77,7 @@ class Block(nn.Module):
 class Gpt(nn.Module):
     def __init__(self, vocab=4096, d=256, layers=4, heads=4, block=128):
         super().__init__()
+        self.block = block
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(block, d)
         self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
@@ -84,7 +95,7 @@ class Gpt(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def adamw(model):
+def adamw(model, fused=False):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         is_norm = ".ln_" in f".{name}" or name.startswith("ln_")
@@ -93,8 +104,22 @@ def adamw(model):
         {"params": decay, "weight_decay": 0.01},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # foreach: PyTorch's fast multi-tensor path on CPU.
-    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, foreach=True)
+    # foreach: PyTorch's fast multi-tensor path on CPU; fused: one kernel
+    # launch per group on CUDA (what the gpt2_124m workload asks for there).
+    fast = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, **fast)
+
+
+GPT2_124M = dict(vocab=50257, d=768, layers=12, heads=12, block=1024)
+
+
+def gpt2_124m(device, micro_batch, seq_len):
+    """GPT-2 small and a loss of step i over 4 fixed batches of
+    `micro_batch` x `seq_len` tokens."""
+    g = torch.Generator().manual_seed(0)
+    model = Gpt(**GPT2_124M).to(device)
+    toks = torch.randint(0, 50257, (4, micro_batch, seq_len + 1), generator=g).to(device)
+    return model, lambda i: model.loss(toks[i % 4, :, :seq_len], toks[i % 4, :, 1:])
 
 
 def workload(kind, device):
@@ -132,29 +157,52 @@ def rate(model, loss, opt, start, n):
     return n / (time.perf_counter() - t)
 
 
-def serve(device):
+def build(key, device, args):
+    """The live instance for a request line, or None when it is not one."""
+    kind, *opts = key.split()
+    if kind in ("mlp", "gpt") and opts in ([], ["bf16"]):
+        model, loss, steps = workload(kind, device)
+        fused = False
+    elif kind == "gpt2_124m" and all(o in ("bf16", "compile") for o in opts):
+        model, loss = gpt2_124m(device, args.micro_batch, args.seq_len)
+        steps, fused = args.gpt2_steps, device == "cuda"
+        if "compile" in opts:
+            loss = torch.compile(loss)
+    else:
+        return None
+    if "bf16" in opts:
+        loss = autocast(loss, device)
+    opt = adamw(model, fused)
+    rate(model, loss, opt, 0, 2)
+    return [model, loss, opt, steps, 2]
+
+
+def serve(device, args):
     """One timed round per request line; see the module docstring."""
-    print(json.dumps({"torch_version": torch.__version__}), flush=True)
+    hello = {"torch_version": torch.__version__}
+    if device == "cuda":
+        hello["gpu_name"] = torch.cuda.get_device_name()
+    print(json.dumps(hello), flush=True)
     live = {}
     for line in sys.stdin:
         key = line.strip()
-        kind, _, precision = key.partition(" ")
-        if kind not in ("mlp", "gpt") or precision not in ("", "bf16"):
-            print(json.dumps({"error": f"unknown request {key!r}"}), flush=True)
-            continue
         if key not in live:
-            model, loss, steps = workload(kind, device)
-            if precision == "bf16":
-                loss = autocast(loss, device)
-            opt = adamw(model)
-            rate(model, loss, opt, 0, 2)
-            live[key] = [model, loss, opt, steps, 2]
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            instance = build(key, device, args)
+            if instance is None:
+                print(json.dumps({"error": f"unknown request {key!r}"}), flush=True)
+                continue
+            live[key] = instance
         model, loss, opt, steps, start = live[key]
         # One untimed step first, as bench_train does for its own rows.
         rate(model, loss, opt, start, 1)
         r = rate(model, loss, opt, start + 1, steps)
         live[key][4] = start + 1 + steps
-        print(json.dumps({"steps_per_s": r}), flush=True)
+        reply = {"steps_per_s": r}
+        if device == "cuda":
+            reply["peak_mem_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        print(json.dumps(reply), flush=True)
 
 
 def main():
@@ -165,11 +213,14 @@ def main():
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--micro-batch", type=int, default=8, help="gpt2_124m's sequences a step")
+    ap.add_argument("--seq-len", type=int, default=1024, help="gpt2_124m's tokens a sequence")
+    ap.add_argument("--gpt2-steps", type=int, default=10, help="gpt2_124m's steps a round")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     if args.serve:
-        serve(args.device)
+        serve(args.device, args)
         return
     names = {"mlp": "mlp_784_512_512_10_b64", "gpt": "gpt_v4096_d256_l4_h4_t128_b8"}
     kinds = ["mlp", "gpt"] if args.workload == "all" else [args.workload]

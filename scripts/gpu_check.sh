@@ -23,6 +23,8 @@
 #    accel-nn: cpu_offload_with_hook evicts the previous model from the GPU; the CUDA layer
 #    norm and RMS norm kernels against the composed ops and the CPU kernel's gradients;
 #    the patched candle-nn's fused-op backward on CUDA against the CPU's (nn-cuda-candle-grads);
+#    the activation, rope, softmax and loss kernels (nn-cuda-activations) and the tiled attention
+#    kernels (nn-cuda-attention) against the CPU kernels and their gradients;
 #    accel-core: set_seed seeds candle's CUDA generator;
 # 4. DDP buckets and the parameter broadcast on CUDA tensors of one GPU shared by two
 #    processes over TCP (staged through host memory), f32/bf16/f16, with compression;
@@ -37,7 +39,8 @@
 #    bf16 and fp16 against the CPU run (fp32 within 1e-4, the others 5%);
 # 8. bench_train's GPT workload on cuda:0, and torch's on the same GPU when torch is there; then
 #    profile_gpt on the tracked and untracked devices alternating in one process, with the host's
-#    share of each step (profile-gpu).
+#    share of each step (profile-gpu); GPT-2 124M in bf16 against torch (bench-gpt2); causal attention
+#    at GPT-2's shape against torch's SDPA (bench-attention).
 # The CUDA/NCCL tests are #[ignore]d in ordinary runs and run here with --ignored; without a
 # visible GPU they fail (they never pass silently). Logs go to $GPU_CHECK_LOGS (default: the
 # target dir), so a device tool can bring them back; GPU_CHECK_ONLY="gpt-cuda bench-gpu" runs
@@ -106,14 +109,14 @@ build() {
     --no-run --lib --test cuda --test nccl --test collectives --message-format=json-render-diagnostics > "$json" || return 1
   cargo build --release -p accel-examples -p accel-kernels --features "$FEATURES,accel-examples/cuda" --example train_gpt \
     --example hf_logits --example bench_train --example device_bench --example generate --example finetune_hf \
-    --example profile_gpt --example finetune_candle \
+    --example profile_gpt --example finetune_candle --example bench_attention \
     --message-format=json-render-diagnostics >> "$json" || return 1
   python3 - "$json" "$MANIFEST" <<'PY' || return 1
 import json, os, sys
 NEEDED = {"cuda.test", "nccl.test", "collectives.test", "dist_worker.bin", "accel_kernels.lib",
           "accel_nn.lib", "accel_core.lib", "device_bench.example", "train_gpt.example",
           "hf_logits.example", "bench_train.example", "generate.example", "profile_gpt.example",
-          "finetune_hf.example", "finetune_candle.example"}
+          "finetune_hf.example", "finetune_candle.example", "bench_attention.example"}
 rows = {}
 for line in open(sys.argv[1]):
     m = json.loads(line)
@@ -225,6 +228,7 @@ run_step nccl-test 120 test_bin nccl.test --include-ignored "${NCCL_SKIP[@]}" --
 run_step nn-hooks-test 60 test_bin accel_nn.lib --ignored cpu_offload_with_hook
 run_step nn-cuda-norms 60 test_bin accel_nn.lib --ignored cuda_norms
 run_step nn-cuda-activations 60 test_bin accel_nn.lib --ignored cuda_swiglu cuda_activations cuda_rope cuda_softmax cuda_cross_entropy
+run_step nn-cuda-attention 120 test_bin accel_nn.lib --ignored cuda_attention
 run_step nn-cuda-candle-grads 60 test_bin accel_nn.lib --ignored cuda_candle_nn_backward
 run_step core-test 60 test_bin accel_core.lib --ignored set_seed_makes_cuda_randn_repeat
 
@@ -368,6 +372,11 @@ run_step hf-gpu 240 hf_gpu
 
 # 8. One GPT step on the GPU, accel-rs against torch (when importable) in the same run.
 run_step bench-gpu 240 bash -c "set -o pipefail; '$BIN_DIR/bench_train' --device cuda --only gpt --rounds 3 --json | tee '$LOGS/bench_train_cuda.json'"
+# Causal attention forward+backward at GPT-2 small's shape in bf16: the CUDA kernels, the composed
+# ops and torch's SDPA, in TFLOP/s.
+run_step bench-attention 180 bash -c "set -o pipefail; '$BIN_DIR/bench_attention' --device cuda --json | tee '$LOGS/bench_attention_cuda.json'"
+# GPT-2 small in bf16 (8 x 1024 tokens a step) against torch eager with SDPA and fused AdamW.
+run_step bench-gpt2 300 bash -c "set -o pipefail; '$BIN_DIR/bench_train' --device cuda --workload gpt2_124m --mixed-precision bf16 --rounds 3 --json | tee '$LOGS/bench_train_gpt2_124m_cuda.json'"
 # With and without cudarc's cross-stream event tracking (candle's own device), alternating in one
 # process, with the host's share of each step. (Across processes, `bench_train --device
 # cuda-untracked` against the step above varied more than the effect.)

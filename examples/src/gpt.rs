@@ -59,6 +59,18 @@ impl GptConfig {
         }
     }
 
+    /// GPT-2 small ("124M"): vocabulary 50257, width 768, 12 layers, 12
+    /// heads, context 1024 (124.4M parameters with the tied head).
+    pub fn gpt2_124m() -> Self {
+        Self {
+            vocab_size: 50257,
+            n_embd: 768,
+            n_layer: 12,
+            n_head: 12,
+            block_size: 1024,
+        }
+    }
+
     /// The character-level demo model for a tokenizer of `vocab_size`
     /// characters: width 128, 4 layers, 4 heads, context 64. Small enough to
     /// learn visible structure from [`crate::text::CORPUS`] in minutes on CPU.

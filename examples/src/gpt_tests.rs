@@ -45,6 +45,10 @@ fn presets_have_the_documented_shapes() {
     );
     assert_eq!(b.head_dim(), 64);
     assert_eq!(b.num_params(), 4_240_896);
+    // transformers' GPT2LMHeadModel (gpt2) has 124,439,808 parameters.
+    let g = GptConfig::gpt2_124m();
+    assert_eq!(g.num_params(), 124_439_808);
+    assert_eq!(g.head_dim(), 64);
     let c = GptConfig::char_small(65);
     assert_eq!(
         (c.vocab_size, c.n_embd, c.n_layer, c.n_head, c.block_size),

@@ -67,6 +67,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod bench_gpt2;
 pub mod bench_proc;
 pub mod devices;
 pub mod finetune_candle;
@@ -82,6 +83,7 @@ pub mod mnist_like;
 pub mod stock;
 
 pub mod text;
+pub mod torch_worker;
 pub mod train_gpt;
 
 pub use accel_core::rng::SplitMix64;

@@ -109,6 +109,47 @@ pub fn scaled_dot_product_attention(
     kernels::attention(q, k, v, spec, scale)
 }
 
+/// [`scaled_dot_product_attention`] on the CUDA kernels of `attention.cu`
+/// whatever the default path is (as `torch.nn.attention.sdpa_kernel`
+/// forces a backend): what `scripts/gpu_check.sh` checks and
+/// `bench_attention --device cuda` times before the kernels become the
+/// default on CUDA.
+///
+/// # Errors
+/// Tensors that are not on a CUDA device, mixed dtypes, a head dim past
+/// 128, a bias that is a variable; those of the kernels.
+pub fn cuda_flash_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &AttentionMask,
+    scale: f64,
+) -> Result<Tensor> {
+    let (b, h, t, _) = q.dims4()?;
+    let s = k.dim(2)?;
+    let (offset, bias) = mask.parts();
+    if !(fused_cuda(q) && kernels::attention_cuda_supported(q, k, v)) {
+        bail!(
+            "cuda_flash_attention: q {:?} {:?} on {:?} needs CUDA tensors of one float dtype with \
+             a head dim up to 128",
+            q.dims(),
+            q.dtype(),
+            q.device().location()
+        )
+    }
+    if bias.is_some_and(|b| b.track_op()) {
+        bail!("cuda_flash_attention: the bias is a variable; its gradient needs the composed path")
+    }
+    let bias = bias
+        .map(|bias| bias.to_dtype(DType::F32)?.broadcast_as((b, h, t, s)))
+        .transpose()?;
+    let spec = MaskSpec {
+        causal_offset: offset,
+        bias,
+    };
+    kernels::attention_cuda(q, k, v, spec, scale)
+}
+
 /// Self-attention straight from a fused qkv projection: `qkv [b, t, 3 *
 /// n_head * hd]` holds the q, k and v blocks (heads concatenated inside
 /// each, GPT-2's `c_attn` layout); returns the merged heads `[b, t, n_head

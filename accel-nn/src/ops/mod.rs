@@ -20,7 +20,9 @@ mod softmax;
 
 pub use crate::kernels::{attention_kernel, AttentionKernel};
 pub use activation::{gelu, gelu_tanh, relu, silu, swiglu, Activation};
-pub use attention::{attention_qkv, scaled_dot_product_attention, AttentionMask};
+pub use attention::{
+    attention_qkv, cuda_flash_attention, scaled_dot_product_attention, AttentionMask,
+};
 pub use dropout::dropout;
 pub use linear::linear;
 pub use loss::{cross_entropy, linear_cross_entropy};
