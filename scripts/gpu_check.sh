@@ -227,7 +227,7 @@ fi
 run_step nccl-test 120 test_bin nccl.test --include-ignored "${NCCL_SKIP[@]}" --nocapture --test-threads=1
 run_step nn-hooks-test 60 test_bin accel_nn.lib --ignored cpu_offload_with_hook
 run_step nn-cuda-norms 60 test_bin accel_nn.lib --ignored cuda_norms
-run_step nn-cuda-activations 60 test_bin accel_nn.lib --ignored cuda_swiglu cuda_activations cuda_rope cuda_softmax cuda_cross_entropy
+run_step nn-cuda-activations 60 test_bin accel_nn.lib --ignored cuda_swiglu cuda_activations cuda_rope cuda_softmax cuda_cross_entropy cuda_linear_cross_entropy
 run_step nn-cuda-attention 120 test_bin accel_nn.lib --ignored cuda_attention
 run_step nn-cuda-candle-grads 60 test_bin accel_nn.lib --ignored cuda_candle_nn_backward
 run_step core-test 60 test_bin accel_core.lib --ignored set_seed_makes_cuda_randn_repeat

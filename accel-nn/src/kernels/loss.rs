@@ -253,7 +253,7 @@ type Kept = (Option<Vec<f32>>, Vec<f32>);
 /// of f32. Past it, rows go in chunks and backward recomputes each chunk's
 /// logits (one more `n x c x d` product) instead of keeping `[n, c]` whole,
 /// which at 8192 tokens of a 32000-word vocabulary would be 1 GiB.
-const LOGITS_BUDGET: usize = 16 << 20;
+pub(crate) const LOGITS_BUDGET: usize = 16 << 20;
 
 /// Rows per chunk for `n` rows of `c` logits: all of them within the
 /// budget, else a multiple of [`rows_per_reduction`] (so the loss is the

@@ -15,6 +15,13 @@ const IGNORE_I64: i64 = -100;
 /// kernels compile in CI but have never run.
 const CUDA_CROSS_ENTROPY_CHECKED: bool = false;
 
+/// Whether CUDA tensors take the row-chunked `linear_cross_entropy`
+/// (`kernels/loss_chunked.rs`: tensor ops, at most 64 MiB of logits at
+/// once) instead of the composed path that materialises all of them. The
+/// same code is tested on the CPU against the fused kernel; off until a GPU
+/// run of `scripts/gpu_check.sh` has passed `cuda_linear_cross_entropy_...`.
+const CUDA_LINEAR_CROSS_ENTROPY_CHECKED: bool = false;
+
 /// Mean cross entropy of `logits [.., classes]` against class ids
 /// `targets [..]`, over the positions whose target is not ignored (i64
 /// `-100` as in HF/PyTorch, or u32 `u32::MAX`). The loss is an f32 scalar
@@ -39,6 +46,9 @@ pub fn linear_cross_entropy(x: &Tensor, w: &Tensor, targets: &Tensor) -> Result<
     let (x, targets) = flatten(x, targets)?;
     if fused(&x) && x.dtype() == w.dtype() {
         kernels::linear_cross_entropy(&x, w, &cpu_targets(&targets)?)
+    } else if CUDA_LINEAR_CROSS_ENTROPY_CHECKED && fused_cuda(&x) && x.dtype() == w.dtype() {
+        let targets = device_targets(&targets)?;
+        kernels::chunked_linear_cross_entropy(&x, w, &targets, kernels::LOGITS_BUDGET)
     } else {
         composed_linear_cross_entropy(&x, w, &targets)
     }
@@ -184,6 +194,73 @@ mod tests {
                     assert_close(&gdx, &dx, 1e-5, &format!("[{n}, {c}] gradient"))?;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The row-chunked lm head and loss on CUDA against the fused CPU
+    /// kernel, f32 and bf16, at GPT-2 small's vocabulary with a budget that
+    /// makes several chunks and ignored rows. What must pass before
+    /// `CUDA_LINEAR_CROSS_ENTROPY_CHECKED`.
+    #[test]
+    #[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+    fn cuda_linear_cross_entropy_matches_the_cpu_kernel_and_its_gradients() -> Result<()> {
+        let gpu = accel_kernels::cuda_device(0)
+            .unwrap_or_else(|e| panic!("needs a CUDA device (build with --features cuda): {e}"));
+        let cpu = Device::Cpu;
+        let (n, d, c) = (300, 64, 50257);
+        let x = randn(&[n, d], 400, 1.0)?;
+        let w = randn(&[c, d], 401, 0.2)?;
+        let ids: Vec<i64> = (0..n)
+            .map(|i| {
+                if i % 9 == 4 {
+                    IGNORE_I64
+                } else {
+                    ((i * 7919) % c) as i64
+                }
+            })
+            .collect();
+        let t = Tensor::new(ids.as_slice(), &cpu)?;
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2)] {
+            let run = |dev: &Device| -> Result<(f32, Tensor, Tensor)> {
+                let xv = candle_core::Var::from_tensor(&x.to_dtype(dtype)?.to_device(dev)?)?;
+                let wv = candle_core::Var::from_tensor(&w.to_dtype(dtype)?.to_device(dev)?)?;
+                let loss = match dev.is_cuda() {
+                    true => kernels::chunked_linear_cross_entropy(
+                        xv.as_tensor(),
+                        wv.as_tensor(),
+                        &device_targets(&t.to_device(dev)?)?,
+                        40 * c,
+                    )?,
+                    false => kernels::linear_cross_entropy(
+                        xv.as_tensor(),
+                        wv.as_tensor(),
+                        &cpu_targets(&t)?,
+                    )?,
+                };
+                let g = loss.backward()?;
+                let grad = |v: &candle_core::Var| -> Result<Tensor> {
+                    g.get(v.as_tensor())
+                        .expect("a gradient")
+                        .to_dtype(DType::F32)?
+                        .to_device(&cpu)
+                };
+                Ok((
+                    loss.to_device(&cpu)?.to_scalar::<f32>()?,
+                    grad(&xv)?,
+                    grad(&wv)?,
+                ))
+            };
+            let (want, got) = (run(&cpu)?, run(&gpu)?);
+            let rel = (got.0 - want.0).abs() / want.0.abs();
+            assert!(
+                rel <= tol as f32,
+                "{dtype:?}: loss {} against {}",
+                got.0,
+                want.0
+            );
+            assert_close(&got.1, &want.1, tol, &format!("{dtype:?}: dx"))?;
+            assert_close(&got.2, &want.2, tol, &format!("{dtype:?}: dw"))?;
         }
         Ok(())
     }
