@@ -98,6 +98,10 @@ struct Args {
     /// gpt2_124m: adds torch's `torch.compile` row (`torch_compile_tokens_per_s`).
     #[arg(long)]
     torch_compile: bool,
+    /// Capture the Rust rows' steps as CUDA graphs. Not built yet: says so
+    /// at start-up, the rows run eagerly and no graph keys are reported.
+    #[arg(long)]
+    cuda_graphs: bool,
 }
 
 /// The device every row runs on (set once from `--device`).
@@ -124,6 +128,7 @@ fn main() -> Result<()> {
     accel_core::init_logging();
     let mut args = Args::parse();
     let dev = accel_examples::device_named(&args.device)?;
+    accel_examples::cuda_graphs_notice(args.cuda_graphs, &dev);
     let _ = DEVICE.set(dev);
     // The Accelerator row would tune glibc's malloc when it is built (see
     // accel_dist::malloc); doing it first gives every row, candle_nn and

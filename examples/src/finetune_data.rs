@@ -62,6 +62,7 @@ pub fn run(
         chat: accel_core::data::ChatTemplate::from_folder(&args.model).ok(),
     };
     let mut acc = Accelerator::new(config)?;
+    crate::cuda_graphs_notice(args.cuda_graphs, acc.device());
     let data = JsonlDataset::open(path, &tokenizer, &options, acc.device())?;
     let (train, eval) = data.split(args.eval_fraction, args.seed)?;
     let windows = train.len();

@@ -102,6 +102,10 @@ pub struct Args {
     /// [default: PEFT's for the architecture: q_proj,v_proj; c_attn for gpt2].
     #[arg(long, requires = "lora_r")]
     pub lora_target: Option<String>,
+    /// Capture the step as a CUDA graph and replay it. Not built yet: says
+    /// so at start-up and trains eagerly.
+    #[arg(long)]
+    pub cuda_graphs: bool,
 }
 
 impl Args {
@@ -361,6 +365,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     };
     let batch = read_batch(data_ids, vocab)?;
     let mut acc = Accelerator::new(config)?;
+    crate::cuda_graphs_notice(args.cuda_graphs, acc.device());
     let (model, params, sharding) = prepare_model(
         &mut acc,
         &cfg,

@@ -102,6 +102,15 @@ pub fn exit_if_stopped(outcome: anyhow::Result<()>) -> anyhow::Result<()> {
     }
 }
 pub use devices::device_named;
+
+/// Says at start-up what `--cuda-graphs` does on `device` (today: the step
+/// runs eagerly, and why; see `accel_core::cuda_graphs`).
+pub fn cuda_graphs_notice(enabled: bool, device: &candle_core::Device) {
+    if enabled {
+        let why = accel_core::cuda_graphs::eager_reason(device);
+        tracing::warn!("--cuda-graphs: {why}");
+    }
+}
 pub use gpt::{Gpt, GptConfig};
 pub use mlp::Mlp;
 pub use text::CharTokenizer;

@@ -85,6 +85,10 @@ pub struct Args {
     /// Save a checkpoint every N optimizer steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: u64,
+    /// Capture the step as a CUDA graph and replay it. Not built yet: says
+    /// so at start-up and trains eagerly.
+    #[arg(long)]
+    pub cuda_graphs: bool,
 }
 
 /// Runs the job `args` describes.
@@ -108,6 +112,7 @@ pub fn run(args: &Args) -> Result<()> {
         config = config.with_device(Device::Cpu);
     }
     let mut acc = Accelerator::new(config)?;
+    crate::cuda_graphs_notice(args.cuda_graphs, acc.device());
 
     let tok = CharTokenizer::new(CORPUS);
     let cfg = GptConfig::char_small(tok.vocab_size());

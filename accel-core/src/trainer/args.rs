@@ -173,6 +173,11 @@ pub struct TrainingArguments {
     /// How the Accelerator splits data between processes.
     #[serde(default)]
     pub accelerator_config: TrainerAcceleratorConfig,
+    /// Capture the training step as a CUDA graph and replay it (as
+    /// `torch.compile(mode="reduce-overhead")`). Capture is not built yet:
+    /// the Trainer says so when it starts and trains eagerly.
+    #[serde(default)]
+    pub cuda_graphs: bool,
 }
 
 impl Default for TrainingArguments {
@@ -215,6 +220,7 @@ impl Default for TrainingArguments {
             fsdp: String::new(),
             fsdp_config: FsdpConfig::default(),
             accelerator_config: TrainerAcceleratorConfig::default(),
+            cuda_graphs: false,
         }
     }
 }

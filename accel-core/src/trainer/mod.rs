@@ -186,6 +186,10 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
         eval_dataset: Option<D>,
     ) -> Result<Self> {
         args.validate()?;
+        if args.cuda_graphs {
+            let why = crate::cuda_graphs::eager_reason(acc.device());
+            crate::notice::warn(&format!("TrainingArguments::cuda_graphs: {why}"));
+        }
         // Under FSDP the hooks on the model's blocks shard its one forward.
         let (model, params) = match checkpoint {
             Some(checkpoint) => acc.prepare_pretrained(checkpoint, build)?,
