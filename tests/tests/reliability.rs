@@ -263,11 +263,21 @@ fn a_bypassed_layer_is_named_and_an_error_at_2_ranks_unless_accepted_or_frozen()
             "{e}"
         );
     }
-    // Accepted: every step runs.
-    for v in run(2, "accepted", &["--find-unused"]) {
+    // Accepted: every step runs. The layer no rank uses keeps no gradient,
+    // so AdamW's weight decay leaves it alone (PyTorch's DDP leaves its
+    // `grad` None); the layer only rank 0 uses is averaged and stepped
+    // alike at both ranks.
+    let got = run(2, "accepted", &["--find-unused"]);
+    for v in &got {
         assert_eq!(v["ok"], true, "{v}");
-        assert_eq!(v["unreached"], skipped);
+        assert_eq!(v["skipped_unchanged"], true, "{v}");
     }
+    assert_eq!(got[0]["unreached"], skipped);
+    let half_too =
+        serde_json::json!(["half.bias", "half.weight", "skipped.bias", "skipped.weight"]);
+    assert_eq!(got[1]["unreached"], half_too);
+    assert!(got[0]["half"].is_array(), "{}", got[0]);
+    assert_eq!(got[0]["half"], got[1]["half"]);
     // Frozen on purpose: no report, no error, the weights stay as they were.
     for v in run(2, "frozen", &["--freeze-skipped"]) {
         assert_eq!(v["ok"], true, "{v}");

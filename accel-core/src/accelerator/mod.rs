@@ -347,6 +347,7 @@ impl Accelerator {
                 comm: self.comm.clone(),
                 buckets: GradBuckets::new(&numels, cap),
                 hook: self.config.ddp.comm_hook,
+                find_unused: self.config.ddp.find_unused_parameters,
             })
         } else {
             Arc::new(SingleProcess)

@@ -18,6 +18,11 @@ pub(crate) struct Replicated {
     pub buckets: GradBuckets,
     /// What is done to each bucket around the all-reduce (e.g. fp16 compression).
     pub hook: CommHook,
+    /// `find_unused_parameters`: parameters that no rank's backward reached
+    /// are found (one more all-reduce, of a flag per parameter) and keep no
+    /// gradient, so the optimizer leaves them alone (no weight decay, no
+    /// moment update), as PyTorch's DDP leaves their `grad` untouched.
+    pub find_unused: bool,
 }
 
 impl std::fmt::Debug for Replicated {
@@ -34,7 +39,7 @@ impl SyncStrategy for Replicated {
     /// accumulated buffer again keeps the already averaged part.
     fn reduce(&self, model: &PreparedModel, reduce_now: bool) -> Result<()> {
         if reduce_now {
-            model.all_reduce_grads(&*self.comm, &self.buckets, self.hook)?;
+            model.all_reduce_grads(&*self.comm, &self.buckets, self.hook, self.find_unused)?;
         }
         Ok(())
     }

@@ -60,17 +60,36 @@ impl PreparedModel {
     /// Averages the gradients over all ranks (DDP). Every parameter takes
     /// part, a missing gradient counting as zero, so all ranks issue the same
     /// collectives whatever parts of the model their batch touched.
+    ///
+    /// With `find_unused`, parameters no rank gave a gradient (a flag per
+    /// parameter, summed over ranks first) end with none: their buffer is
+    /// zero and the optimizer skips them.
     pub(crate) fn all_reduce_grads(
         &self,
         comm: &dyn accel_dist::Communicator,
         buckets: &accel_dist::ddp::GradBuckets,
         hook: accel_dist::ddp::CommHook,
+        find_unused: bool,
     ) -> Result<()> {
         let mut g = self.lock();
         let mut all = Vec::with_capacity(g.names.len());
         // The buckets were laid out over the trainable parameters only.
         let trainable: Vec<usize> = (0..g.names.len()).filter(|&i| !g.frozen[i]).collect();
-        for i in trainable {
+        let mut used: Vec<f32> = if find_unused {
+            trainable
+                .iter()
+                .map(|&i| f32::from(u8::from(g.has_grad[i])))
+                .collect()
+        } else {
+            vec![]
+        };
+        if find_unused {
+            comm.all_reduce(
+                accel_dist::BufferMut::F32(&mut used),
+                accel_dist::ReduceOp::Sum,
+            )?;
+        }
+        for &i in &trainable {
             let t = match g.grads[i].clone() {
                 Some(t) => t,
                 None => {
@@ -89,6 +108,12 @@ impl PreparedModel {
             all.push(t);
         }
         buckets.all_reduce_mean(comm, &all, hook)?;
+        for (&i, &u) in trainable.iter().zip(&used) {
+            if u == 0.0 {
+                // Unused at every rank: its zero buffer is not a gradient.
+                g.has_grad[i] = false;
+            }
+        }
         Ok(())
     }
 

@@ -212,6 +212,12 @@ fn unused(args: &Args) -> Result<(usize, serde_json::Value)> {
     let vb = acc.var_builder(&varmap);
     let used = candle_nn::linear(4, 2, vb.pp("used"))?;
     let _skipped = candle_nn::linear(4, 2, vb.pp("skipped"))?;
+    // With find_unused: a layer only rank 0's loss uses (locally unused at
+    // the others, so its averaged gradient must still reach every rank).
+    let half = args
+        .find_unused
+        .then(|| candle_nn::linear(4, 2, vb.pp("half")))
+        .transpose()?;
     let model = if args.freeze_skipped {
         acc.prepare_model_frozen(&varmap, |name| name.starts_with("skipped."))?
     } else {
@@ -231,7 +237,13 @@ fn unused(args: &Args) -> Result<(usize, serde_json::Value)> {
         let loss = if args.detached {
             outside.as_tensor().sqr()?.mean_all()?
         } else {
-            used.forward(&x)?.sqr()?.mean_all()?
+            let loss = used.forward(&x)?.sqr()?.mean_all()?;
+            match &half {
+                Some(h) if acc.process_index() == 0 => {
+                    (loss + h.forward(&x)?.sqr()?.mean_all()?)?
+                }
+                _ => loss,
+            }
         };
         if let Err(e) = acc.backward(&loss) {
             outcome = json!({ "ok": false, "error": e.to_string(), "step": step });
@@ -242,6 +254,9 @@ fn unused(args: &Args) -> Result<(usize, serde_json::Value)> {
     }
     outcome["unreached"] = json!(model.unreached_parameters());
     outcome["skipped_unchanged"] = json!(skipped(&model)? == before);
+    if let Some(h) = &half {
+        outcome["half"] = json!(bits(h.weight())?);
+    }
     Ok((acc.process_index(), outcome))
 }
 
