@@ -39,6 +39,7 @@ mod reduce;
 pub mod rendezvous;
 pub mod signals;
 mod tensor;
+mod warn_limit;
 
 pub use backend::tcp::{Algorithm, Collective, TcpCommunicator, TcpConfig, Transport};
 pub use backend::{LocalCommunicator, NcclCommunicator, NcclConfig};

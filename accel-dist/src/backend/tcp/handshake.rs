@@ -27,6 +27,7 @@ use super::stream::{Listeners, Stream};
 use crate::rendezvous::auth::{self, Bytes32};
 use crate::rendezvous::protocol::{read_frame, write_frame, Decoder, Encoder, FrameReader};
 use crate::rendezvous::protocol::{ACCEPTED, REFUSED};
+use crate::warn_limit::Warnings;
 use crate::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"ACCELTC2";
@@ -242,6 +243,8 @@ pub(super) fn accept_peers(
 ) -> Result<Vec<(usize, Stream)>> {
     let mut got: Vec<(usize, Stream)> = Vec::new();
     let mut pending: Vec<Shake> = Vec::new();
+    // Refusals and dropped handshakes: a flood of strays is one line per 5 s.
+    let mut warnings = Warnings::default();
     let expected = me.world - me.rank - 1;
     let accepting = |e| Error::io(format!("rank {}: accepting peers", me.rank), e);
     while got.len() < expected {
@@ -269,7 +272,10 @@ pub(super) fn accept_peers(
             }
             if pending.len() >= MAX_PENDING {
                 let oldest = pending.remove(0);
-                tracing::warn!(rank = me.rank, from = %oldest.from, "dropped the oldest of {MAX_PENDING} unfinished handshakes");
+                warnings.warn(format!(
+                    "rank {}: dropped the oldest of {MAX_PENDING} unfinished handshakes (from {})",
+                    me.rank, oldest.from
+                ));
             }
             pending.push(Shake {
                 from: stream.describe_peer(),
@@ -302,7 +308,10 @@ pub(super) fn accept_peers(
                     }
                 },
                 Err(reason) => {
-                    tracing::warn!(rank = me.rank, from = %shake.from, %reason, "refused a connection");
+                    warnings.warn(format!(
+                        "rank {}: refused a connection from {}: {reason}",
+                        me.rank, shake.from
+                    ));
                     let _ = write_frame(&shake.stream, &Encoder::new(REFUSED).str(&reason).0);
                 }
             }
@@ -311,5 +320,6 @@ pub(super) fn accept_peers(
             std::thread::sleep(ACCEPT_POLL);
         }
     }
+    warnings.flush(&format!("rank {}: refused-connection", me.rank));
     Ok(got)
 }

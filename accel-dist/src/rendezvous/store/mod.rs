@@ -28,6 +28,7 @@ use mio::{Events, Interest, Poll, Token, Waker};
 
 use super::protocol::{reply, Encoder};
 use crate::process::parse_env;
+use crate::warn_limit::Warnings;
 use crate::{Error, Result};
 use conn::{Conn, Step};
 pub(crate) use conn::{CLIENT_LABEL, SERVER_LABEL};
@@ -42,9 +43,6 @@ const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 const ACCEPT_BURST: usize = 128;
 /// Longest a started frame may take to arrive in full.
 const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
-/// Shortest interval between two warnings about strays.
-const WARN_EVERY: Duration = Duration::from_secs(5);
-
 /// The store's bounds; [`StoreLimits::from_env`] reads the `ACCEL_STORE_*` variables.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoreLimits {
@@ -220,34 +218,11 @@ struct Server {
     warnings: Warnings,
 }
 
-/// Warnings about strays, at most one per [`WARN_EVERY`]: a flood of strays
-/// must not become a flood of log lines. The first is printed at once; the
-/// next one printed says how many were held back.
-#[derive(Default)]
-struct Warnings {
-    last: Option<Instant>,
-    held_back: usize,
-}
-
-impl Warnings {
-    fn warn(&mut self, msg: String) {
-        let now = Instant::now();
-        if self.last.is_some_and(|t| now < t + WARN_EVERY) {
-            self.held_back += 1;
-            return;
-        }
-        self.last = Some(now);
-        match std::mem::take(&mut self.held_back) {
-            0 => tracing::warn!("{msg}"),
-            n => tracing::warn!("{msg} ({n} more such warnings held back)"),
-        }
-    }
-
-    fn refused(&mut self, peer: &str, reason: &str) {
-        self.warn(format!(
-            "rendezvous store refused a connection from {peer}: {reason}"
-        ));
-    }
+/// Warns (rate-limited) that the store refused a connection.
+fn refused(warnings: &mut Warnings, peer: &str, reason: &str) {
+    warnings.warn(format!(
+        "rendezvous store refused a connection from {peer}: {reason}"
+    ));
 }
 
 impl Server {
@@ -269,6 +244,7 @@ impl Server {
                 tracing::error!(error = %e, "the rendezvous store stopped: poll failed");
                 return;
             }
+            self.warnings.tick("rendezvous store");
             for event in events.iter() {
                 match event.token() {
                     WAKER => return,
@@ -399,7 +375,7 @@ impl Server {
                     }
                     _ => {
                         let reason = format!("no valid handshake: {e}");
-                        self.warnings.refused(&conn.peer, &reason);
+                        refused(&mut self.warnings, &conn.peer, &reason);
                         conn.refuse(&reason);
                         continue;
                     }
@@ -409,7 +385,7 @@ impl Server {
                 match conn.handshake(&frame, &self.token, self.limits.max_frame) {
                     Ok(Step::Continue) | Ok(Step::Authenticated) => {}
                     Ok(Step::Refused(reason)) => {
-                        self.warnings.refused(&conn.peer, &reason);
+                        refused(&mut self.warnings, &conn.peer, &reason);
                         conn.refuse(&reason);
                     }
                     Err(_) => break true,
