@@ -11,20 +11,6 @@ use candle_core::{DType, Tensor};
 use super::PreparedModel;
 use crate::{Accelerator, Error, Result};
 
-/// The tokenizer files an adapter folder carries over from the base model,
-/// as a Trainer saves its tokenizer beside the adapter.
-const TOKENIZER_FILES: [&str; 9] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-];
-
 impl PreparedModel {
     /// Marks the model as a LoRA model with `config`: saving it writes the adapter.
     pub(crate) fn set_adapter(&self, config: LoraConfig) {
@@ -79,7 +65,11 @@ fn write_adapter(
     crate::checkpoint::write_json(&config_path, &json)?;
     written.push(config_path);
     if let Some(base) = base {
-        written.extend(super::pretrained::copy_files(base, dir, &TOKENIZER_FILES)?);
+        written.extend(super::pretrained::copy_files(
+            base,
+            dir,
+            &super::pretrained::TOKENIZER_FILES,
+        )?);
     }
     Ok(written)
 }

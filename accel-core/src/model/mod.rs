@@ -30,7 +30,7 @@ mod single;
 pub use adapter::merge_lora;
 pub(crate) use ddp::Replicated;
 pub(crate) use pretrained::PretrainedSource;
-pub use pretrained::CARRIED_FILES;
+pub use pretrained::{CARRIED_FILES, TOKENIZER_FILES};
 pub(crate) use single::SingleProcess;
 
 #[derive(Debug)]

@@ -13,11 +13,10 @@ use candle_core::{DType, Tensor};
 use super::PreparedModel;
 use crate::{Accelerator, Error, Result};
 
-/// The files of a Hugging Face folder, besides its weights, that a saved
-/// model carries over from its source (those the source has).
-pub const CARRIED_FILES: [&str; 13] = [
-    "config.json",
-    "generation_config.json",
+/// The tokenizer's files of a Hugging Face folder: what an adapter folder
+/// carries over from its base model (as a Trainer saves its tokenizer beside
+/// the adapter), and part of [`CARRIED_FILES`].
+pub const TOKENIZER_FILES: [&str; 10] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -28,8 +27,38 @@ pub const CARRIED_FILES: [&str; 13] = [
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
-    "preprocessor_config.json",
 ];
+
+/// The files of a Hugging Face folder, besides its weights, that a saved
+/// model carries over from its source (those the source has): its configs,
+/// then [`TOKENIZER_FILES`].
+pub const CARRIED_FILES: [&str; 13] = concat(
+    [
+        "config.json",
+        "generation_config.json",
+        "preprocessor_config.json",
+    ],
+    TOKENIZER_FILES,
+);
+
+/// `a` then `b`, at compile time (`C` must be `A + B`).
+const fn concat<const A: usize, const B: usize, const C: usize>(
+    a: [&'static str; A],
+    b: [&'static str; B],
+) -> [&'static str; C] {
+    assert!(A + B == C, "the lengths do not add up");
+    let mut out = [""; C];
+    let mut i = 0;
+    while i < A {
+        out[i] = a[i];
+        i += 1;
+    }
+    while i < C {
+        out[i] = b[i - A];
+        i += 1;
+    }
+    out
+}
 
 /// The checkpoint a model's weights were loaded from.
 #[derive(Debug)]
