@@ -383,15 +383,24 @@ fn lora_flags(model: &Path, ids: &Path) -> Vec<String> {
     .collect()
 }
 
+/// The tensors of an adapter folder's `adapter_model.safetensors`.
+fn adapter_tensors(dir: &Path) -> HashMap<String, Tensor> {
+    candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu).unwrap()
+}
+
 /// Two ranks under `accel launch` (DDP) and an FSDP config file train the
-/// adapters to the one-process losses.
+/// adapters to the one-process losses, and save the same adapter (under
+/// FSDP only the adapters are gathered for it).
 #[test]
 fn ddp_and_fsdp_train_the_adapters_as_one_process() {
     let tmp = tempfile::tempdir().unwrap();
     let ids = ids_file(tmp.path());
     let model = hf_fixture("llama");
+    let out_one = tmp.path().join("one");
     let mut one = Command::new(WORKER);
-    one.args(lora_flags(&model, &ids));
+    one.args(lora_flags(&model, &ids))
+        .arg("--output-dir")
+        .arg(&out_one);
     let (ok, out, err) = run_program(one, None);
     assert!(ok, "{err}");
     let (_, one) = parse_run(&out);
@@ -406,15 +415,23 @@ fn ddp_and_fsdp_train_the_adapters_as_one_process() {
     )
     .unwrap();
     let config = config.display().to_string();
-    for launch in [
+    let want = adapter_tensors(&out_one);
+    assert!(!want.is_empty());
+    for (k, launch) in [
         vec!["--num_processes", "2", "--cpu"],
         vec!["--config_file", &config],
-    ] {
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out_two = tmp.path().join(format!("two_{k}"));
         let mut cmd = Command::new(LAUNCH);
         cmd.arg("launch")
             .args(&launch)
             .arg(WORKER)
-            .args(lora_flags(&model, &ids));
+            .args(lora_flags(&model, &ids))
+            .arg("--output-dir")
+            .arg(&out_two);
         let (ok, out, err) = run_program(cmd, None);
         assert!(ok, "{launch:?}: {err}\n{out}");
         let (setup, two) = parse_run(&out);
@@ -425,6 +442,15 @@ fn ddp_and_fsdp_train_the_adapters_as_one_process() {
                 "{launch:?} step {}: {a} vs {b}",
                 k + 1
             );
+        }
+        let got = adapter_tensors(&out_two);
+        assert_eq!(got.len(), want.len(), "{launch:?}");
+        for (name, w) in &want {
+            let g = &got[name];
+            assert_eq!(g.dims(), w.dims(), "{launch:?} {name}");
+            let e = (g - w).unwrap().abs().unwrap().max_all().unwrap();
+            let e = e.to_scalar::<f32>().unwrap();
+            assert!(e < 1e-5, "{launch:?} {name}: saved adapters differ by {e}");
         }
     }
 }

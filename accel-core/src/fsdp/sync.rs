@@ -53,6 +53,13 @@ impl SyncStrategy for Sharded {
         self.sharding.gather_all_f32(&masters)
     }
 
+    fn full_weights_of(&self, ids: &[usize], masters: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        ids.iter()
+            .zip(masters)
+            .map(|(&id, piece)| self.sharding.gather_full(id, &piece))
+            .collect()
+    }
+
     fn load_checkpoint(&self, model: &PreparedModel, path: &Path) -> Result<()> {
         fsdp_state::load_full_into_pieces(model, &self.sharding, path)
     }

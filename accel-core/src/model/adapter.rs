@@ -34,7 +34,8 @@ impl PreparedModel {
         let base = self.pretrained_dir();
         let mut tensors = BTreeMap::new();
         let mut adapted = vec![];
-        for (name, t) in self.full_weights()? {
+        // Only the adapters are gathered: under FSDP the base stays sharded.
+        for (name, t) in self.full_weights_where(|n| adapter_module(n).is_some())? {
             if let Some(module) = adapter_module(&name) {
                 let last = module.rsplit('.').next().unwrap_or(module);
                 adapted.push(last.to_string());

@@ -123,6 +123,13 @@ pub(crate) trait SyncStrategy: Send + Sync + std::fmt::Debug {
         Ok(masters)
     }
 
+    /// [`Self::full_weights`] of the parameters `ids` only, `masters` being
+    /// theirs (under FSDP, each gathered alone: an adapter's save must not
+    /// gather the whole base).
+    fn full_weights_of(&self, _ids: &[usize], masters: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        Ok(masters)
+    }
+
     /// [`PreparedModel::load_checkpoint`].
     fn load_checkpoint(&self, model: &PreparedModel, path: &Path) -> Result<()> {
         model.load_whole_checkpoint(path)
@@ -271,6 +278,26 @@ impl PreparedModel {
             (g.names.clone(), masters)
         };
         let full = self.strategy.full_weights(masters)?;
+        Ok(names.into_iter().zip(full).collect())
+    }
+
+    /// [`Self::full_weights`] of the parameters whose names `keep` accepts,
+    /// gathering only those. Every process must call it with the same `keep`.
+    pub(crate) fn full_weights_where(
+        &self,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Vec<(String, Tensor)>> {
+        let (ids, names, masters) = {
+            let g = self.lock();
+            let ids: Vec<usize> = (0..g.names.len()).filter(|&i| keep(&g.names[i])).collect();
+            let names: Vec<String> = ids.iter().map(|&i| g.names[i].clone()).collect();
+            let masters = ids
+                .iter()
+                .map(|&i| g.masters[i].as_tensor().detach())
+                .collect();
+            (ids, names, masters)
+        };
+        let full = self.strategy.full_weights_of(&ids, masters)?;
         Ok(names.into_iter().zip(full).collect())
     }
 
