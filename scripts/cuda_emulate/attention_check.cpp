@@ -19,7 +19,7 @@ struct Case {
     bool pad;        // a [b, 1, 1, s] padding bias: row i of the batch masks its last i + 1 keys
     float fill;      // the padding value (-inf, or -1e9)
     int dtype;       // 0 f32, 1 bf16, 2 f16
-    bool strided;    // q, k, v as head views of one [b, t, 3, h, d] buffer
+    bool strided;    // q, k, v as head views of one [b, t, 3, h, d] buffer (needs s == t, kvh == h)
 };
 
 template <typename T>
@@ -159,10 +159,30 @@ bool run(const Case& c, int n) {
 
     std::vector<double> glse(lse.begin(), lse.end());
     double tol = std::is_same_v<T, F32> ? 1e-5 : 1e-2;
+    // The tensor-core forward, for half operands at head dims 64 and 128 (what cuda/attention.rs
+    // launches there on sm_80+).
+    bool mma_ok = true;
+    std::string mma_line;
+    if constexpr (!std::is_same_v<T, F32>) {
+        if (d == 64 || d == 128) {
+            std::vector<R> mo(o.size());
+            std::vector<float> ml(lse.size());
+            void (*mma)(const R*, const R*, const R*, const float*, R*, float*, FlashDims);
+            if constexpr (std::is_same_v<T, BF16>) mma = d == 64 ? flash_fwd_mma_bf16_d64 : flash_fwd_mma_bf16_d128;
+            else mma = d == 64 ? flash_fwd_mma_f16_d64 : flash_fwd_mma_f16_d128;
+            emu::launch(mma, dim3{b * h, (t + 63) / 64, 1}, block, qp, kp, vp, bp, mo.data(), ml.data(), a);
+            std::vector<double> mlse(ml.begin(), ml.end());
+            double eo = rel_err(from_raw<T>(mo), ro), el = rel_err(mlse, rl);
+            mma_ok = eo <= tol && el <= tol && !std::isnan(eo) && !std::isnan(el);
+            char buf[96];
+            std::snprintf(buf, sizeof buf, " | mma o %.2e lse %.2e", eo, el);
+            mma_line = buf;
+        }
+    }
     double errs[5] = {rel_err(from_raw<T>(o), ro), rel_err(glse, rl), rel_err(from_raw<T>(dq), rdq),
                       rel_err(from_raw<T>(dk), rdk), rel_err(from_raw<T>(dv), rdv)};
     const char* names[5] = {"o", "lse", "dq", "dk", "dv"};
-    bool ok = true;
+    bool ok = mma_ok;
     std::string line;
     for (int k = 0; k < 5; ++k) {
         ok &= errs[k] <= tol && !std::isnan(errs[k]);
@@ -171,8 +191,8 @@ bool run(const Case& c, int n) {
         line += buf;
     }
     std::printf("case %d: b %u h %u kvh %u t %u s %u d %u causal %d offset %u pad %d dtype %d strided %d:%s %s\n",
-                n, b, h, kvh, t, s, d, c.causal, c.offset, c.pad, c.dtype, c.strided, line.c_str(),
-                ok ? "ok" : "FAILED");
+                n, b, h, kvh, t, s, d, c.causal, c.offset, c.pad, c.dtype, c.strided,
+                (line + mma_line).c_str(), ok ? "ok" : "FAILED");
     return ok;
 }
 
@@ -191,6 +211,11 @@ int main() {
         {2, 3, 3, 65, 65, 64, true, 0, true, -1e9f, 0, true},
         {1, 8, 2, 130, 130, 128, true, 0, false, 0, 1, false},
         {2, 4, 4, 100, 100, 64, true, 0, false, 0, 2, true},
+        // The tensor-core forward's other paths: padding (whole rows masked), a KV cache's
+        // offset, non-causal GQA with more keys than queries, 64 and 128 dims in both dtypes.
+        {4, 2, 2, 3, 3, 64, false, 0, true, NEG, 1, false},
+        {1, 4, 4, 5, 133, 128, true, 128, false, 0, 2, false},
+        {2, 4, 1, 70, 97, 64, false, 0, true, -1e9f, 1, false},
     };
     int n = 0;
     bool ok = true;

@@ -20,6 +20,8 @@
 
 // common.cuh's role, on the host: its guard keeps the .cu files from including it.
 #define ACCEL_COMMON_CUH
+// Kernel sources pick host versions of their inline PTX under this.
+#define ACCEL_EMULATE
 typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -41,6 +43,8 @@ namespace emu {
 struct Warp {
     std::barrier<> bar{32};
     float buf[32];
+    // mma.sync's fragments, by lane.
+    u32 a[32][4], b[32][2];
 };
 inline std::barrier<>* block_barrier = nullptr;
 inline Warp* warps = nullptr;
@@ -79,6 +83,46 @@ void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
         });
     }
     for (auto& th : threads) th.join();
+}
+
+// The 16-bit element of `reg` at `half` (0: low, 1: high) as f32, for `T` (BF16 or F16).
+template <typename T>
+float half_of(u32 reg, int half) {
+    return T::load((u16)(half ? reg >> 16 : reg & 0xffff));
+}
+
+// PTX's mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d = a (16x16) b (16x8) + c, each lane
+// holding the fragments the PTX ISA lays out (groupID g = lane / 4, t = lane % 4):
+// a: regs 0..3 = (row g, k 2t..2t+1), (row g+8, same k), (row g, k 2t+8..), (row g+8, k 2t+8..);
+// b: regs 0..1 = (k 2t..2t+1, col g), (k 2t+8.., col g); c/d: (row g, cols 2t, 2t+1),
+// (row g+8, cols 2t, 2t+1). Products are summed in f32 in k order.
+template <typename T>
+void mma_m16n8k16(float c[4], const u32 a[4], const u32 b[2]) {
+    Warp& w = warps[threadIdx.x / 32];
+    u32 lane = threadIdx.x % 32;
+    for (int i = 0; i < 4; ++i) w.a[lane][i] = a[i];
+    w.b[lane][0] = b[0], w.b[lane][1] = b[1];
+    w.bar.arrive_and_wait();
+    float A[16][16], B[16][8];
+    for (u32 l = 0; l < 32; ++l) {
+        u32 g = l / 4, t = l % 4;
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = half_of<T>(w.a[l][0], h);
+            A[g + 8][2 * t + h] = half_of<T>(w.a[l][1], h);
+            A[g][2 * t + 8 + h] = half_of<T>(w.a[l][2], h);
+            A[g + 8][2 * t + 8 + h] = half_of<T>(w.a[l][3], h);
+            B[2 * t + h][g] = half_of<T>(w.b[l][0], h);
+            B[2 * t + 8 + h][g] = half_of<T>(w.b[l][1], h);
+        }
+    }
+    w.bar.arrive_and_wait();
+    u32 g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        u32 row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i % 2);
+        float acc = c[i];
+        for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
+        c[i] = acc;
+    }
 }
 }  // namespace emu
 

@@ -378,6 +378,203 @@ __device__ void flash_dkdv(const typename T::raw *q, const typename T::raw *k,
     }
 }
 
+// ======================================================= the forward on tensor cores (sm_80+)
+//
+// bf16/f16 operands with head dims 64 and 128: mma.sync m16n8k16 with f32 accumulation, the
+// FlashAttention-2 register layout. A block of 4 warps takes 64 query rows (16 a warp, held as
+// A fragments for the whole loop) and walks key tiles of 32: S = q k^T is 4 column tiles of 8
+// keys, the online softmax runs on the accumulator fragments (a row's 8 values a tile are spread
+// over the 4 lanes of a quad, reduced with 2 shuffles), and P, rounded to the operands' dtype,
+// is reused in registers as the A fragment of P v (v staged transposed). The row sums l are of
+// the f32 probabilities. Same masks, biases, GQA and strides as the scalar kernel, whose
+// backward takes this forward's output and log-sum-exps.
+#define FA_MMA_BR 64
+#define FA_MMA_BC 32
+#define FA_MMA_PAD 8
+
+__device__ __forceinline__ u32 fa_pack(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+#ifdef ACCEL_EMULATE
+template <typename T>
+__device__ __forceinline__ void fa_mma(float c[4], const u32 a[4], const u32 b[2]) {
+    emu::mma_m16n8k16<T>(c, a, b);
+}
+#else
+template <typename T> struct FaMma;
+template <> struct FaMma<BF16> {
+    static __device__ __forceinline__ void run(float c[4], const u32 a[4], const u32 b[2]) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+        __trap();  // never launched below sm_80 (cuda/attention.rs checks)
+#endif
+    }
+};
+template <> struct FaMma<F16> {
+    static __device__ __forceinline__ void run(float c[4], const u32 a[4], const u32 b[2]) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+        __trap();
+#endif
+    }
+};
+template <typename T>
+__device__ __forceinline__ void fa_mma(float c[4], const u32 a[4], const u32 b[2]) {
+    FaMma<T>::run(c, a, b);
+}
+#endif
+
+template <typename T, int D>
+__device__ void flash_fwd_mma(const typename T::raw *q, const typename T::raw *k,
+                              const typename T::raw *v, const float *bias, typename T::raw *o,
+                              float *lse, FlashDims a) {
+    typedef typename T::raw R;
+    __shared__ R qs[FA_MMA_BR][D + FA_MMA_PAD];
+    __shared__ R ks[FA_MMA_BC][D + FA_MMA_PAD];
+    __shared__ R vt[D][FA_MMA_BC + FA_MMA_PAD];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const u32 bh = blockIdx.x, bi = bh / a.h, hi = bh % a.h, kv = hi / (a.h / a.kvh);
+    const u32 r0 = blockIdx.y * FA_MMA_BR, wr = warp * 16;
+    const R *qb = q + bi * a.qs[0] + hi * a.qs[1];
+    const R *kb = k + bi * a.ks[0] + kv * a.ks[1];
+    const R *vb = v + bi * a.vs[0] + kv * a.vs[1];
+    const R zero = T::store(0.0f);
+    for (u32 e = threadIdx.x; e < FA_MMA_BR * D; e += blockDim.x) {
+        u32 r = e / D, c = e % D;
+        qs[r][c] = r0 + r < a.t ? qb[(u64)(r0 + r) * a.qs[2] + c] : zero;
+    }
+    __syncthreads();
+    u32 qa[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const u32 c = kk * 16 + 2 * tq;
+        qa[kk][0] = fa_pack(qs[wr + g][c], qs[wr + g][c + 1]);
+        qa[kk][1] = fa_pack(qs[wr + g + 8][c], qs[wr + g + 8][c + 1]);
+        qa[kk][2] = fa_pack(qs[wr + g][c + 8], qs[wr + g][c + 9]);
+        qa[kk][3] = fa_pack(qs[wr + g + 8][c + 8], qs[wr + g + 8][c + 9]);
+    }
+    float m[2] = {FA_NEG_INF, FA_NEG_INF}, l[2] = {0.0f, 0.0f}, acc[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    }
+    const u32 rows[2] = {r0 + wr + g, r0 + wr + g + 8};
+    const u32 end = fa_key_end(a, min(r0 + FA_MMA_BR, a.t));
+    for (u32 j0 = 0; j0 < end; j0 += FA_MMA_BC) {
+        __syncthreads();
+        for (u32 e = threadIdx.x; e < FA_MMA_BC * D; e += blockDim.x) {
+            u32 jj = e / D, c = e % D, j = j0 + jj;
+            bool in = j < a.s;
+            ks[jj][c] = in ? kb[(u64)j * a.ks[2] + c] : zero;
+            vt[c][jj] = in ? vb[(u64)j * a.vs[2] + c] : zero;
+        }
+        __syncthreads();
+        float sc[FA_MMA_BC / 8][4];
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int nt = 0; nt < FA_MMA_BC / 8; ++nt) {
+            sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const u32 key = nt * 8 + g, c = kk * 16 + 2 * tq;
+                const u32 b[2] = {fa_pack(ks[key][c], ks[key][c + 1]),
+                                  fa_pack(ks[key][c + 8], ks[key][c + 9])};
+                fa_mma<T>(sc[nt], qa[kk], b);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 j = j0 + nt * 8 + 2 * tq + (i & 1);
+                sc[nt][i] = fa_score(a, bias, sc[nt][i], bi, hi, rows[i >> 1], j);
+                mx[i >> 1] = fmaxf(mx[i >> 1], sc[nt][i]);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(FA_MASK, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(FA_MASK, mx[r], 2));
+            alpha[r] = m[r] == FA_NEG_INF ? 0.0f : expf(m[r] - mx[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int nt = 0; nt < FA_MMA_BC / 8; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float p = sc[nt][i] == FA_NEG_INF ? 0.0f : expf(sc[nt][i] - m[i >> 1]);
+                sc[nt][i] = p;
+                l[i >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            acc[nt][0] *= alpha[0];
+            acc[nt][1] *= alpha[0];
+            acc[nt][2] *= alpha[1];
+            acc[nt][3] *= alpha[1];
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_MMA_BC / 16; ++kk) {
+            const u32 pa[4] = {
+                fa_pack(T::store(sc[2 * kk][0]), T::store(sc[2 * kk][1])),
+                fa_pack(T::store(sc[2 * kk][2]), T::store(sc[2 * kk][3])),
+                fa_pack(T::store(sc[2 * kk + 1][0]), T::store(sc[2 * kk + 1][1])),
+                fa_pack(T::store(sc[2 * kk + 1][2]), T::store(sc[2 * kk + 1][3])),
+            };
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                const u32 dim = nt * 8 + g, key = kk * 16 + 2 * tq;
+                const u32 b[2] = {fa_pack(vt[dim][key], vt[dim][key + 1]),
+                                  fa_pack(vt[dim][key + 8], vt[dim][key + 9])};
+                fa_mma<T>(acc[nt], pa, b);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(FA_MASK, l[r], 1);
+        l[r] += __shfl_xor_sync(FA_MASK, l[r], 2);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        if (rows[r] >= a.t) {
+            continue;
+        }
+        const u64 row = (u64)bh * a.t + rows[r];
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            const u32 col = nt * 8 + 2 * tq;
+            o[row * D + col] = T::store(acc[nt][2 * r] * inv);
+            o[row * D + col + 1] = T::store(acc[nt][2 * r + 1] * inv);
+        }
+        if (tq == 0) {
+            lse[row] = l[r] > 0.0f ? m[r] + logf(l[r]) : FA_NEG_INF;
+        }
+    }
+}
+
+#define FA_MMA_KERNEL(NAME, T, D)                                                                \
+    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)                                  \
+        flash_fwd_mma_##NAME##_d##D(const T::raw *q, const T::raw *k, const T::raw *v,           \
+                                    const float *bias, T::raw *o, float *lse, FlashDims a) {      \
+        flash_fwd_mma<T, D>(q, k, v, bias, o, lse, a);                                           \
+    }
+
+FA_MMA_KERNEL(bf16, BF16, 64)
+FA_MMA_KERNEL(bf16, BF16, 128)
+FA_MMA_KERNEL(f16, F16, 64)
+FA_MMA_KERNEL(f16, F16, 128)
+
 #define FA_KERNELS(NAME, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)                                  \
         flash_fwd_##NAME(const T::raw *q, const T::raw *k, const T::raw *v, const float *bias,   \

@@ -4,6 +4,9 @@
 //! from them in two kernels (dq per query tile, dk and dv per key tile), so
 //! nothing `[t, s]` is ever stored and no result depends on scheduling.
 //!
+//! bf16/f16 operands at head dims 64 and 128 take a tensor-core forward on
+//! sm_80+ (`mma.sync`, f32 accumulation); the backward is the same for all.
+//!
 //! Operands: q `[b, h, t, d]`, k and v `[b, kvh, s, d]` (`kvh` divides `h`)
 //! of one float dtype, strided views with a contiguous last dimension; an
 //! optional f32 bias `[b, h, t, s]` with any strides (zero strides for
@@ -16,7 +19,7 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 use super::launch::launch_flash;
-use super::{KernelId, WrapDriver};
+use super::{compute_capability, KernelId, WrapDriver};
 use crate::{Error, Result};
 
 /// The largest head dimension the kernels take (`FA_DMAX`): each tile row
@@ -27,6 +30,8 @@ pub(crate) const FLASH_WARPS: u32 = 4;
 /// Query rows per block of the forward (`FA_FWD_BR`), of dq (`FA_DQ_BR`),
 /// and keys per block of dk/dv (`FA_KV_BC`).
 const FWD_ROWS: usize = 32;
+/// Query rows per block of the tensor-core forward (`FA_MMA_BR`).
+const MMA_ROWS: usize = 64;
 const DQ_ROWS: usize = 16;
 const KV_KEYS: usize = 16;
 
@@ -319,6 +324,13 @@ fn forward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     let mut o: CudaSlice<T> = stream.alloc_zeros(dims.q_elems().max(1)).w(op, "alloc")?;
     let mut lse: CudaSlice<f32> = stream.alloc_zeros(dims.q_rows().max(1)).w(op, "alloc")?;
     if dims.q_rows() > 0 {
+        // Tensor cores where there is a kernel for them (bf16/f16, d 64/128, sm_80+).
+        let mma = KernelId::flash_mma(q.0.dtype(), dims.d as usize)
+            .filter(|_| compute_capability(&dev).is_ok_and(|cc| cc >= 80));
+        let (kernel, rows) = match mma {
+            Some(kernel) => (kernel, MMA_ROWS),
+            None => (KernelId::flash(q.0.dtype())[0], FWD_ROWS),
+        };
         let args = FlashArgs::Forward {
             q: &qv,
             k: &kv,
@@ -327,9 +339,9 @@ fn forward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             o: &mut o,
             lse: &mut lse,
             dims,
-            tiles: (dims.t as usize).div_ceil(FWD_ROWS) as u32,
+            tiles: (dims.t as usize).div_ceil(rows) as u32,
         };
-        launch_flash(op, &dev, KernelId::flash(q.0.dtype())[0], args)?;
+        launch_flash(op, &dev, kernel, args)?;
     }
     Ok((
         CudaStorage::wrap_cuda_slice(o, dev.clone()),

@@ -809,7 +809,9 @@ pub(crate) fn launch_flash<T: DeviceRepr>(
     // checked against each view's length, and write the contiguous outputs
     // within the lengths checked above; blocks of `32 * FLASH_WARPS`
     // threads match the kernels' `__launch_bounds__` and static shared
-    // memory (48 KiB, no dynamic part).
+    // memory (at most 48 KiB, no dynamic part). The tensor-core forward has
+    // the scalar forward's parameters and is only picked on sm_80+, where
+    // its `mma.sync` exists.
     unsafe { l.launch(cfg) }.w(op, "launch")?;
     Ok(())
 }

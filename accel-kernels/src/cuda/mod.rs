@@ -266,6 +266,10 @@ kernels! {
     FlashDkdvF32 => Attention, "flash_dkdv_f32";
     FlashDkdvBf16 => Attention, "flash_dkdv_bf16";
     FlashDkdvF16 => Attention, "flash_dkdv_f16";
+    FlashFwdMmaBf16D64 => Attention, "flash_fwd_mma_bf16_d64";
+    FlashFwdMmaBf16D128 => Attention, "flash_fwd_mma_bf16_d128";
+    FlashFwdMmaF16D64 => Attention, "flash_fwd_mma_f16_d64";
+    FlashFwdMmaF16D128 => Attention, "flash_fwd_mma_f16_d128";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).
@@ -346,6 +350,19 @@ impl KernelId {
         by_dtype(dtype, MaxAbsF32, MaxAbsBf16, MaxAbsF16)
     }
 
+    /// The tensor-core forward for operands of `dtype` and head dim `d`, where
+    /// there is one (bf16/f16, d 64 or 128; it needs sm_80).
+    pub(crate) fn flash_mma(dtype: DType, d: usize) -> Option<KernelId> {
+        use KernelId::*;
+        Some(match (dtype, d) {
+            (DType::BF16, 64) => FlashFwdMmaBf16D64,
+            (DType::BF16, 128) => FlashFwdMmaBf16D128,
+            (DType::F16, 64) => FlashFwdMmaF16D64,
+            (DType::F16, 128) => FlashFwdMmaF16D128,
+            _ => return None,
+        })
+    }
+
     /// The attention kernels for operands of `dtype`: forward, the row
     /// dot products of the backward, dq, and dk with dv.
     pub(crate) fn flash(dtype: DType) -> [KernelId; 4] {
@@ -402,7 +419,7 @@ impl<T> WrapDriver<T> for std::result::Result<T, DriverError> {
 }
 
 /// The compute capability of a device, as `10 * major + minor`.
-fn compute_capability(dev: &CudaDevice) -> Result<u32> {
+pub(crate) fn compute_capability(dev: &CudaDevice) -> Result<u32> {
     let (major, minor) = dev
         .cuda_stream()
         .context()
