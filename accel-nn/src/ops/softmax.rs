@@ -117,11 +117,15 @@ mod tests {
                 let terms = if log {
                     (g.abs()? + y.exp()?.broadcast_mul(&dot(&g)?)?)?
                 } else {
-                    y.abs()?.broadcast_mul(&g.abs()?.broadcast_add(&dot(&(&g * &y)?)?)?)?
+                    y.abs()?
+                        .broadcast_mul(&g.abs()?.broadcast_add(&dot(&(&g * &y)?)?)?)?
                 };
                 let scale = terms.max_all()?.to_scalar::<f32>()?;
                 let err = (&gdx - &dx)?.abs()?.max_all()?.to_scalar::<f32>()? / scale;
-                assert!(err <= 1e-5, "{what} gradient: error {err:e} of the terms' size");
+                assert!(
+                    err <= 1e-5,
+                    "{what} gradient: error {err:e} of the terms' size"
+                );
             }
         }
         Ok(())
