@@ -4,7 +4,8 @@
 #      #include "common.cuh");
 #   2. NVRTC itself (libnvrtc from the nvidia-cuda-nvrtc wheel, loaded with ctypes) on
 #      exactly the text and options the crate uses: common.cuh + the .cu file,
-#      --fmad=false --prec-div=true --prec-sqrt=true --ftz=false --gpu-architecture=sm_XX;
+#      --fmad=false --prec-div=true --prec-sqrt=true --ftz=false --gpu-architecture=sm_XX (the
+#      attention sources with attention.cuh between the two, as ModuleId::source does);
 #   3. ptxas on the PTX NVRTC produced (catches bad inline PTX).
 # Uses the PyPI toolchain of scripts/cuda_toolchain.sh (installs nvrtc into it once).
 #
@@ -32,7 +33,9 @@ names = sorted(f[:-3] for f in os.listdir(src_dir) if f.endswith(".cu"))
 failed = False
 for arch in sys.argv[4:]:
     for name in names:
-        text = (common + "\n" + open(os.path.join(src_dir, name + ".cu")).read()).encode()
+        # As ModuleId::source: the attention sources get attention.cuh after common.cuh.
+        shared = open(os.path.join(src_dir, "attention.cuh")).read() if name.startswith("attention") else ""
+        text = (common + "\n" + shared + "\n" + open(os.path.join(src_dir, name + ".cu")).read()).encode()
         prog = ctypes.c_void_p()
         assert lib.nvrtcCreateProgram(ctypes.byref(prog), text, (name + ".cu").encode(), 0, None, None) == 0
         opts = [b"--ftz=false", b"--prec-sqrt=true", b"--prec-div=true", b"--fmad=false",

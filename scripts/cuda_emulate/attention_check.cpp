@@ -9,6 +9,7 @@
 
 #include "emulate.h"
 #include "../../accel-kernels/src/cuda/attention.cu"
+#include "../../accel-kernels/src/cuda/attention_mma.cu"
 
 namespace {
 
@@ -172,10 +173,16 @@ bool run(const Case& c, int n) {
             else mma = d == 64 ? flash_fwd_mma_f16_d64 : flash_fwd_mma_f16_d128;
             emu::launch(mma, dim3{b * h, (t + 63) / 64, 1}, block, qp, kp, vp, bp, mo.data(), ml.data(), a);
             std::vector<double> mlse(ml.begin(), ml.end());
-            double eo = rel_err(from_raw<T>(mo), ro), el = rel_err(mlse, rl);
-            mma_ok = eo <= tol && el <= tol && !std::isnan(eo) && !std::isnan(el);
+            // dq on tensor cores, from the scalar forward's log-sum-exps and row dots above.
+            std::vector<R> mdq(dq.size());
+            void (*mdqk)(const R*, const R*, const R*, const float*, const R*, const float*, const float*, R*, FlashDims);
+            if constexpr (std::is_same_v<T, BF16>) mdqk = d == 64 ? flash_dq_mma_bf16_d64 : flash_dq_mma_bf16_d128;
+            else mdqk = d == 64 ? flash_dq_mma_f16_d64 : flash_dq_mma_f16_d128;
+            emu::launch(mdqk, dim3{b * h, (t + 63) / 64, 1}, block, qp, kp, vp, bp, (const R*)g.data(), (const float*)lse.data(), (const float*)delta.data(), mdq.data(), a);
+            double eo = rel_err(from_raw<T>(mo), ro), el = rel_err(mlse, rl), eq = rel_err(from_raw<T>(mdq), rdq);
+            mma_ok = eo <= tol && el <= tol && eq <= tol && !std::isnan(eo + el + eq);
             char buf[96];
-            std::snprintf(buf, sizeof buf, " | mma o %.2e lse %.2e", eo, el);
+            std::snprintf(buf, sizeof buf, " | mma o %.2e lse %.2e dq %.2e", eo, el, eq);
             mma_line = buf;
         }
     }

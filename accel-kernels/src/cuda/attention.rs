@@ -4,8 +4,9 @@
 //! from them in two kernels (dq per query tile, dk and dv per key tile), so
 //! nothing `[t, s]` is ever stored and no result depends on scheduling.
 //!
-//! bf16/f16 operands at head dims 64 and 128 take a tensor-core forward on
-//! sm_80+ (`mma.sync`, f32 accumulation); the backward is the same for all.
+//! bf16/f16 operands at head dims 64 and 128 take a tensor-core forward and
+//! dq on sm_80+ (`attention_mma.cu`: `mma.sync`, f32 accumulation); dk and
+//! dv are the scalar kernels' for every dtype so far.
 //!
 //! Operands: q `[b, h, t, d]`, k and v `[b, kvh, s, d]` (`kvh` divides `h`)
 //! of one float dtype, strided views with a contiguous last dimension; an
@@ -13,7 +14,7 @@
 //! broadcast masks); head dims up to [`FLASH_MAX_HEAD_DIM`].
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::{CudaDType, CudaStorage};
+use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{DType, Layout};
 use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
@@ -141,6 +142,14 @@ fn invalid(op: &'static str, reason: String) -> Error {
 /// (other head dims and dtypes run accel-nn's composed attention).
 pub fn flash_supported(dtype: DType, d: usize) -> bool {
     matches!(dtype, DType::F32 | DType::BF16 | DType::F16) && (1..=FLASH_MAX_HEAD_DIM).contains(&d)
+}
+
+/// The tensor-core forward and dq kernels where there are some for these
+/// operands (bf16/f16, head dim 64 or 128) and the device has `mma.sync`
+/// (sm_80+).
+fn tensor_cores(dev: &CudaDevice, dtype: DType, dims: &FlashDims) -> Option<[KernelId; 2]> {
+    KernelId::flash_mma(dtype, dims.d as usize)
+        .filter(|_| compute_capability(dev).is_ok_and(|cc| cc >= 80))
 }
 
 /// Checks the shapes and builds the kernels' `FlashDims`.
@@ -324,11 +333,8 @@ fn forward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     let mut o: CudaSlice<T> = stream.alloc_zeros(dims.q_elems().max(1)).w(op, "alloc")?;
     let mut lse: CudaSlice<f32> = stream.alloc_zeros(dims.q_rows().max(1)).w(op, "alloc")?;
     if dims.q_rows() > 0 {
-        // Tensor cores where there is a kernel for them (bf16/f16, d 64/128, sm_80+).
-        let mma = KernelId::flash_mma(q.0.dtype(), dims.d as usize)
-            .filter(|_| compute_capability(&dev).is_ok_and(|cc| cc >= 80));
-        let (kernel, rows) = match mma {
-            Some(kernel) => (kernel, MMA_ROWS),
+        let (kernel, rows) = match tensor_cores(&dev, q.0.dtype(), dims) {
+            Some([fwd, _]) => (fwd, MMA_ROWS),
             None => (KernelId::flash(q.0.dtype())[0], FWD_ROWS),
         };
         let args = FlashArgs::Forward {
@@ -426,6 +432,10 @@ fn backward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             dims,
         };
         launch_flash(op, &dev, delta_kernel, args)?;
+        let (dq_kernel, dq_rows) = match tensor_cores(&dev, q.0.dtype(), dims) {
+            Some([_, dq]) => (dq, MMA_ROWS),
+            None => (dq_kernel, DQ_ROWS),
+        };
         let args = FlashArgs::Dq {
             q: &qv,
             k: &kv,
@@ -436,7 +446,7 @@ fn backward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             delta: &delta,
             dq: &mut dq,
             dims,
-            tiles: (dims.t as usize).div_ceil(DQ_ROWS) as u32,
+            tiles: (dims.t as usize).div_ceil(dq_rows) as u32,
         };
         launch_flash(op, &dev, dq_kernel, args)?;
         let args = FlashArgs::Dkdv {

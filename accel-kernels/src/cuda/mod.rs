@@ -140,10 +140,12 @@ pub(crate) enum ModuleId {
     Loss,
     /// `attention.cu`: tiled attention with an online softmax, forward and backward.
     Attention,
+    /// `attention_mma.cu`: the attention forward and dq on tensor cores (sm_80+).
+    AttentionMma,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 10] = [
+const MODULES: [(&str, &str); 11] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
@@ -154,10 +156,15 @@ const MODULES: [(&str, &str); 10] = [
     ("softmax", include_str!("softmax.cu")),
     ("loss", include_str!("loss.cu")),
     ("attention", include_str!("attention.cu")),
+    ("attention_mma", include_str!("attention_mma.cu")),
 ];
 
+/// The part the attention sources share, prepended to both (NVRTC has no
+/// file system for their `#include "attention.cuh"`).
+const ATTENTION_SHARED: &str = include_str!("attention.cuh");
+
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 10] = [
+pub(crate) const ALL_MODULES: [ModuleId; 11] = [
     ModuleId::Cast,
     ModuleId::Unscale,
     ModuleId::Optim,
@@ -168,6 +175,7 @@ pub(crate) const ALL_MODULES: [ModuleId; 10] = [
     ModuleId::Softmax,
     ModuleId::Loss,
     ModuleId::Attention,
+    ModuleId::AttentionMma,
 ];
 
 impl ModuleId {
@@ -176,9 +184,14 @@ impl ModuleId {
         MODULES[self as usize].0
     }
 
-    /// The full text NVRTC compiles: `common.cuh`, then the `.cu` file.
+    /// The full text NVRTC compiles: `common.cuh`, `attention.cuh` for the
+    /// attention sources, then the `.cu` file.
     pub(crate) fn source(self) -> String {
-        format!("{COMMON}\n{}", MODULES[self as usize].1)
+        let shared = match self {
+            ModuleId::Attention | ModuleId::AttentionMma => ATTENTION_SHARED,
+            _ => "",
+        };
+        format!("{COMMON}\n{shared}\n{}", MODULES[self as usize].1)
     }
 }
 
@@ -266,10 +279,14 @@ kernels! {
     FlashDkdvF32 => Attention, "flash_dkdv_f32";
     FlashDkdvBf16 => Attention, "flash_dkdv_bf16";
     FlashDkdvF16 => Attention, "flash_dkdv_f16";
-    FlashFwdMmaBf16D64 => Attention, "flash_fwd_mma_bf16_d64";
-    FlashFwdMmaBf16D128 => Attention, "flash_fwd_mma_bf16_d128";
-    FlashFwdMmaF16D64 => Attention, "flash_fwd_mma_f16_d64";
-    FlashFwdMmaF16D128 => Attention, "flash_fwd_mma_f16_d128";
+    FlashFwdMmaBf16D64 => AttentionMma, "flash_fwd_mma_bf16_d64";
+    FlashFwdMmaBf16D128 => AttentionMma, "flash_fwd_mma_bf16_d128";
+    FlashFwdMmaF16D64 => AttentionMma, "flash_fwd_mma_f16_d64";
+    FlashFwdMmaF16D128 => AttentionMma, "flash_fwd_mma_f16_d128";
+    FlashDqMmaBf16D64 => AttentionMma, "flash_dq_mma_bf16_d64";
+    FlashDqMmaBf16D128 => AttentionMma, "flash_dq_mma_bf16_d128";
+    FlashDqMmaF16D64 => AttentionMma, "flash_dq_mma_f16_d64";
+    FlashDqMmaF16D128 => AttentionMma, "flash_dq_mma_f16_d128";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).
@@ -350,15 +367,16 @@ impl KernelId {
         by_dtype(dtype, MaxAbsF32, MaxAbsBf16, MaxAbsF16)
     }
 
-    /// The tensor-core forward for operands of `dtype` and head dim `d`, where
-    /// there is one (bf16/f16, d 64 or 128; it needs sm_80).
-    pub(crate) fn flash_mma(dtype: DType, d: usize) -> Option<KernelId> {
+    /// The tensor-core kernels for operands of `dtype` and head dim `d`, where
+    /// there are some (bf16/f16, d 64 or 128; they need sm_80).
+    /// Its forward and dq kernels.
+    pub(crate) fn flash_mma(dtype: DType, d: usize) -> Option<[KernelId; 2]> {
         use KernelId::*;
         Some(match (dtype, d) {
-            (DType::BF16, 64) => FlashFwdMmaBf16D64,
-            (DType::BF16, 128) => FlashFwdMmaBf16D128,
-            (DType::F16, 64) => FlashFwdMmaF16D64,
-            (DType::F16, 128) => FlashFwdMmaF16D128,
+            (DType::BF16, 64) => [FlashFwdMmaBf16D64, FlashDqMmaBf16D64],
+            (DType::BF16, 128) => [FlashFwdMmaBf16D128, FlashDqMmaBf16D128],
+            (DType::F16, 64) => [FlashFwdMmaF16D64, FlashDqMmaF16D64],
+            (DType::F16, 128) => [FlashFwdMmaF16D128, FlashDqMmaF16D128],
             _ => return None,
         })
     }
