@@ -38,18 +38,17 @@
 //!     --workload gpt2_124m --mixed-precision bf16 --json
 //! ```
 
-use std::time::Instant;
-
 use accel_core::optim::transformers_no_decay;
 use accel_core::prelude::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, PrecisionType};
 use accel_examples::bench_gpt2::{self, Gpt2Options};
 use accel_examples::mnist_like::synthetic_classification;
+use accel_examples::raw_loop::{self, median, RawAdamW};
 use accel_examples::stock::{StockGpt, StockMlp};
 use accel_examples::text::synthetic_tokens;
 use accel_examples::torch_worker::TorchWorker;
 use accel_examples::{Gpt, GptConfig, Mlp};
 use anyhow::Result;
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Optimizer, VarBuilder, VarMap};
 use clap::Parser;
 
@@ -254,23 +253,8 @@ fn accel_nn_model(kind: Kind, vb: VarBuilder, dtype: DType) -> Result<LossFn> {
 /// A loop that runs `n` optimizer steps and returns steps per second.
 type Loop = Box<dyn FnMut(usize) -> Result<f64>>;
 
-fn timed(mut step: impl FnMut(usize) -> Result<()> + 'static) -> Loop {
-    let mut i = 0;
-    Box::new(move |n| {
-        // One untimed step first: the row before may have evicted this one's
-        // weights and buffers from the caches.
-        step(i)?;
-        i += 1;
-        device().synchronize()?;
-        let t = Instant::now();
-        for _ in 0..n {
-            step(i)?;
-            i += 1;
-        }
-        // GPU work is asynchronous: a round ends when the device is done.
-        device().synchronize()?;
-        Ok(n as f64 / t.elapsed().as_secs_f64())
-    })
+fn timed(step: impl FnMut(usize) -> Result<()> + 'static) -> Loop {
+    raw_loop::timed(device().clone(), step)
 }
 
 const LR: f64 = 1e-3;
@@ -302,67 +286,13 @@ fn candle_nn_loop(kind: Kind) -> Result<Loop> {
     Ok(timed(move |i| Ok(opt.backward_step(&loss(i)?)?)))
 }
 
-/// One parameter group of the raw loop: tensors with their moment buffers.
-struct Group {
-    params: Vec<Tensor>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
-    hp: accel_core::kernels::AdamWParams,
-}
-
 fn accel_nn_loop(kind: Kind) -> Result<Loop> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, device());
     let loss = accel_nn_model(kind, vb, DType::F32)?;
     // transformers' grouping, as the Accelerator's AdamW below applies it.
-    let mut named: Vec<(String, Var)> = varmap.data().lock().unwrap().clone().into_iter().collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    let group = |no_decay: bool| -> Result<Group> {
-        let params: Vec<Tensor> = named
-            .iter()
-            .filter(|(n, _)| transformers_no_decay(n) == no_decay)
-            .map(|(_, v)| v.as_tensor().clone())
-            .collect();
-        let zeros = |p: &Tensor| p.zeros_like();
-        Ok(Group {
-            m: params
-                .iter()
-                .map(zeros)
-                .collect::<candle_core::Result<_>>()?,
-            v: params
-                .iter()
-                .map(zeros)
-                .collect::<candle_core::Result<_>>()?,
-            params,
-            hp: accel_core::kernels::AdamWParams {
-                lr: LR,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: if no_decay { 0.0 } else { WEIGHT_DECAY },
-            },
-        })
-    };
-    let groups = [group(false)?, group(true)?];
-    let mut step = 0u64;
-    Ok(timed(move |i| {
-        let grads = loss(i)?.backward()?;
-        step += 1;
-        for g in &groups {
-            let gs: Vec<Tensor> = g
-                .params
-                .iter()
-                .map(|p| {
-                    grads
-                        .get(p)
-                        .expect("every parameter has a gradient")
-                        .clone()
-                })
-                .collect();
-            accel_core::kernels::adamw_step(&g.params, &gs, &g.m, &g.v, step, &g.hp)?;
-        }
-        Ok(())
-    }))
+    let mut opt = RawAdamW::new(&varmap, LR, WEIGHT_DECAY)?;
+    Ok(timed(move |i| opt.step(&loss(i)?.backward()?)))
 }
 
 fn accelerator_loop(kind: Kind, precision: PrecisionType) -> Result<Loop> {
@@ -403,11 +333,6 @@ fn accelerator_loop(kind: Kind, precision: PrecisionType) -> Result<Loop> {
         })?;
         Ok(())
     }))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn rounded(x: f64) -> serde_json::Value {

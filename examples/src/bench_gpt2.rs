@@ -22,16 +22,14 @@
 //! the position table, plus attention's 12 * layers * width * seq_len, per
 //! token) over [`PEAK_BF16_FLOPS`].
 
-use std::time::Instant;
-
-use accel_core::kernels::{adamw_step, cast_into, cast_tensors, AdamWParams};
 use accel_core::optim::transformers_no_decay;
 use accel_core::prelude::{Accelerator, AcceleratorConfig, AdamW, AdamWConfig, PrecisionType};
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use serde_json::{json, Map, Value};
 
+use crate::raw_loop::{median, timed, RawAdamW, Row};
 use crate::text::synthetic_tokens;
 use crate::torch_worker::TorchWorker;
 use crate::{Gpt, GptConfig};
@@ -61,9 +59,6 @@ pub struct Gpt2Options {
 
 const LR: f64 = 1e-3;
 const WEIGHT_DECAY: f64 = 0.01;
-
-/// A row: runs `n` steps, returns steps per second.
-type Row = Box<dyn FnMut(usize) -> Result<f64>>;
 
 /// The torch worker's arguments for these sizes.
 pub fn torch_args(opts: &Gpt2Options) -> Vec<String> {
@@ -99,96 +94,17 @@ fn batches(opts: &Gpt2Options, vocab: usize) -> Result<Vec<(Tensor, Tensor)>> {
         .collect()
 }
 
-fn timed(device: Device, mut step: impl FnMut(usize) -> Result<()> + 'static) -> Row {
-    let mut i = 0;
-    Box::new(move |n| {
-        step(i)?;
-        i += 1;
-        device.synchronize()?;
-        let t = Instant::now();
-        for _ in 0..n {
-            step(i)?;
-            i += 1;
-        }
-        device.synchronize()?;
-        Ok(n as f64 / t.elapsed().as_secs_f64())
-    })
-}
-
-/// One decay group of the raw loop: the model's weights, their fp32
-/// masters (the same tensors in fp32) and the moments.
-struct Group {
-    params: Vec<Tensor>,
-    masters: Vec<Tensor>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
-    hp: AdamWParams,
-}
-
 fn accel_nn_row(opts: &Gpt2Options) -> Result<Row> {
     let cfg = GptConfig::gpt2_124m();
     let dtype = opts.precision.compute_dtype();
     let varmap = VarMap::new();
     let mut model = Gpt::new(cfg, VarBuilder::from_varmap(&varmap, dtype, &opts.device))?;
     model.set_fused_kernels(true);
-    let mut named: Vec<(String, Var)> = varmap.data().lock().unwrap().clone().into_iter().collect();
-    named.sort_by(|a, b| a.0.cmp(&b.0));
-    let group = |no_decay: bool| -> Result<Group> {
-        let params: Vec<Tensor> = named
-            .iter()
-            .filter(|(n, _)| transformers_no_decay(n) == no_decay)
-            .map(|(_, v)| v.as_tensor().clone())
-            .collect();
-        let masters = if dtype == DType::F32 {
-            params.clone()
-        } else {
-            cast_tensors(&params, DType::F32)?
-        };
-        let zeros = |p: &Tensor| p.zeros_like();
-        Ok(Group {
-            m: masters
-                .iter()
-                .map(zeros)
-                .collect::<candle_core::Result<_>>()?,
-            v: masters
-                .iter()
-                .map(zeros)
-                .collect::<candle_core::Result<_>>()?,
-            params,
-            masters,
-            hp: AdamWParams {
-                lr: LR,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: if no_decay { 0.0 } else { WEIGHT_DECAY },
-            },
-        })
-    };
-    let groups = [group(false)?, group(true)?];
+    let mut opt = RawAdamW::new(&varmap, LR, WEIGHT_DECAY)?;
     let data = batches(opts, cfg.vocab_size)?;
-    let mut step = 0u64;
     Ok(timed(opts.device.clone(), move |i| {
         let (x, y) = &data[i % data.len()];
-        let grads = model.loss(x, y)?.backward()?;
-        step += 1;
-        for g in &groups {
-            let mut gs = Vec::with_capacity(g.params.len());
-            for (p, name) in g.params.iter().zip(0..) {
-                match grads.get(p) {
-                    Some(grad) => gs.push(grad.clone()),
-                    None => bail!("parameter {name} of a decay group got no gradient"),
-                }
-            }
-            if dtype != DType::F32 {
-                gs = cast_tensors(&gs, DType::F32)?;
-            }
-            adamw_step(&g.masters, &gs, &g.m, &g.v, step, &g.hp)?;
-            if dtype != DType::F32 {
-                cast_into(&g.masters, &g.params)?;
-            }
-        }
-        Ok(())
+        opt.step(&model.loss(x, y)?.backward()?)
     }))
 }
 
@@ -221,11 +137,6 @@ fn accelerator_row(opts: &Gpt2Options) -> Result<Row> {
         })?;
         Ok(())
     }))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn rounded(x: f64, places: i32) -> Value {

@@ -80,6 +80,7 @@ pub mod hf_logits;
 pub mod minilm;
 pub mod mlp;
 pub mod mnist_like;
+pub mod raw_loop;
 pub mod stock;
 
 pub mod text;

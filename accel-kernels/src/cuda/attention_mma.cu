@@ -85,6 +85,33 @@ __device__ __forceinline__ void fa_a_frags(const typename T::raw (*tile)[D + FA_
     }
 }
 
+// acc (16 x D in accumulator fragments) += x (16 x FA_MMA_BC in accumulator fragments, rounded to
+// T to become A fragments, as FlashAttention-2 reuses P and dS in registers) times the
+// FA_MMA_BC x D operand staged transposed in `tile_t`.
+template <typename T, int D>
+__device__ __forceinline__ void fa_mma_acc(float (&acc)[D / 8][4],
+                                           const float (&x)[FA_MMA_BC / 8][4],
+                                           const typename T::raw (*tile_t)[FA_MMA_BC + FA_MMA_PAD],
+                                           u32 lane) {
+    const u32 g = lane >> 2, tq = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < FA_MMA_BC / 16; ++kk) {
+        const u32 xa[4] = {
+            fa_pack(T::store(x[2 * kk][0]), T::store(x[2 * kk][1])),
+            fa_pack(T::store(x[2 * kk][2]), T::store(x[2 * kk][3])),
+            fa_pack(T::store(x[2 * kk + 1][0]), T::store(x[2 * kk + 1][1])),
+            fa_pack(T::store(x[2 * kk + 1][2]), T::store(x[2 * kk + 1][3])),
+        };
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            const u32 dim = nt * 8 + g, key = kk * 16 + 2 * tq;
+            const u32 b[2] = {fa_pack(tile_t[dim][key], tile_t[dim][key + 1]),
+                              fa_pack(tile_t[dim][key + 8], tile_t[dim][key + 9])};
+            fa_mma<T>(acc[nt], xa, b);
+        }
+    }
+}
+
 template <typename T, int D>
 __device__ void flash_fwd_mma(const typename T::raw *q, const typename T::raw *k,
                               const typename T::raw *v, const float *bias, typename T::raw *o,
@@ -164,22 +191,7 @@ __device__ void flash_fwd_mma(const typename T::raw *q, const typename T::raw *k
             acc[nt][2] *= alpha[1];
             acc[nt][3] *= alpha[1];
         }
-#pragma unroll
-        for (int kk = 0; kk < FA_MMA_BC / 16; ++kk) {
-            const u32 pa[4] = {
-                fa_pack(T::store(sc[2 * kk][0]), T::store(sc[2 * kk][1])),
-                fa_pack(T::store(sc[2 * kk][2]), T::store(sc[2 * kk][3])),
-                fa_pack(T::store(sc[2 * kk + 1][0]), T::store(sc[2 * kk + 1][1])),
-                fa_pack(T::store(sc[2 * kk + 1][2]), T::store(sc[2 * kk + 1][3])),
-            };
-#pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt) {
-                const u32 dim = nt * 8 + g, key = kk * 16 + 2 * tq;
-                const u32 b[2] = {fa_pack(vt[dim][key], vt[dim][key + 1]),
-                                  fa_pack(vt[dim][key + 8], vt[dim][key + 9])};
-                fa_mma<T>(acc[nt], pa, b);
-            }
-        }
+        fa_mma_acc<T, D>(acc, sc, vt, lane);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -283,22 +295,7 @@ __device__ void flash_dq_mma(const typename T::raw *q, const typename T::raw *k,
                 ds[nt][i] = p * (ds[nt][i] - di[r]);
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < FA_MMA_BC / 16; ++kk) {
-            const u32 da[4] = {
-                fa_pack(T::store(ds[2 * kk][0]), T::store(ds[2 * kk][1])),
-                fa_pack(T::store(ds[2 * kk][2]), T::store(ds[2 * kk][3])),
-                fa_pack(T::store(ds[2 * kk + 1][0]), T::store(ds[2 * kk + 1][1])),
-                fa_pack(T::store(ds[2 * kk + 1][2]), T::store(ds[2 * kk + 1][3])),
-            };
-#pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt) {
-                const u32 dim = nt * 8 + g4, key = kk * 16 + 2 * tq;
-                const u32 b[2] = {fa_pack(kt[dim][key], kt[dim][key + 1]),
-                                  fa_pack(kt[dim][key + 8], kt[dim][key + 9])};
-                fa_mma<T>(acc[nt], da, b);
-            }
-        }
+        fa_mma_acc<T, D>(acc, ds, kt, lane);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
