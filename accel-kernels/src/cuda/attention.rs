@@ -16,11 +16,13 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{DType, Layout};
-use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 use super::launch::launch_flash;
-use super::{compute_capability, KernelId, WrapDriver};
+use super::{device_cc, KernelId, WrapDriver};
 use crate::{Error, Result};
 
 /// The largest head dimension the kernels take (`FA_DMAX`): each tile row
@@ -107,31 +109,31 @@ pub(crate) enum FlashArgs<'a, T> {
     },
     /// `flash_dq_*(q, k, v, bias, g, lse, delta, dq, dims)`.
     Dq {
-        q: &'a CudaView<'a, T>,
-        k: &'a CudaView<'a, T>,
-        v: &'a CudaView<'a, T>,
-        bias: &'a CudaView<'a, f32>,
-        g: &'a CudaView<'a, T>,
-        lse: &'a CudaView<'a, f32>,
-        delta: &'a CudaSlice<f32>,
+        ins: &'a BackwardInputs<'a, T>,
         dq: &'a mut CudaSlice<T>,
         dims: &'a FlashDims,
         tiles: u32,
     },
     /// `flash_dkdv_*(q, k, v, bias, g, lse, delta, dk, dv, dims)`.
     Dkdv {
-        q: &'a CudaView<'a, T>,
-        k: &'a CudaView<'a, T>,
-        v: &'a CudaView<'a, T>,
-        bias: &'a CudaView<'a, f32>,
-        g: &'a CudaView<'a, T>,
-        lse: &'a CudaView<'a, f32>,
-        delta: &'a CudaSlice<f32>,
+        ins: &'a BackwardInputs<'a, T>,
         dk: &'a mut CudaSlice<T>,
         dv: &'a mut CudaSlice<T>,
         dims: &'a FlashDims,
         tiles: u32,
     },
+}
+
+/// What both backward kernels read, in their parameter order: q, k, v, the
+/// bias, the output gradient `g`, the log-sum-exps and the row dots.
+pub(crate) struct BackwardInputs<'a, T> {
+    pub q: CudaView<'a, T>,
+    pub k: CudaView<'a, T>,
+    pub v: CudaView<'a, T>,
+    pub bias: CudaView<'a, f32>,
+    pub g: CudaView<'a, T>,
+    pub lse: CudaView<'a, f32>,
+    pub delta: CudaSlice<f32>,
 }
 
 fn invalid(op: &'static str, reason: String) -> Error {
@@ -148,8 +150,7 @@ pub fn flash_supported(dtype: DType, d: usize) -> bool {
 /// operands (bf16/f16, head dim 64 or 128) and the device has `mma.sync`
 /// (sm_80+).
 fn tensor_cores(dev: &CudaDevice, dtype: DType, dims: &FlashDims) -> Option<[KernelId; 2]> {
-    KernelId::flash_mma(dtype, dims.d as usize)
-        .filter(|_| compute_capability(dev).is_ok_and(|cc| cc >= 80))
+    KernelId::flash_mma(dtype, dims.d as usize).filter(|_| device_cc(dev).is_ok_and(|cc| cc >= 80))
 }
 
 /// Checks the shapes and builds the kernels' `FlashDims`.
@@ -267,6 +268,21 @@ fn strided_view<'a, T: CudaDType>(
     Ok(slice.slice(start..))
 }
 
+/// The bias as a view, or without one a one-element placeholder kept in
+/// `none` (the kernels read no bias when `has_bias` is 0, but take a pointer).
+fn bias_view<'a>(
+    op: &'static str,
+    index: usize,
+    bias: Option<Operand<'a>>,
+    stream: &Arc<CudaStream>,
+    none: &'a mut Option<CudaSlice<f32>>,
+) -> Result<CudaView<'a, f32>> {
+    match bias {
+        Some((s, l)) => strided_view::<f32>(op, index, s, l),
+        None => Ok(none.insert(stream.alloc_zeros(1).w(op, "alloc")?).slice(..)),
+    }
+}
+
 /// The contiguous elements of `(s, l)` as a view.
 fn contiguous_view<'a, T: CudaDType>(
     op: &'static str,
@@ -325,11 +341,8 @@ fn forward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
         strided_view::<T>(op, 1, k.0, k.1)?,
         strided_view::<T>(op, 2, v.0, v.1)?,
     );
-    let none: CudaSlice<f32> = stream.alloc_zeros(1).w(op, "alloc")?;
-    let bv = match bias {
-        Some((s, l)) => strided_view::<f32>(op, 3, s, l)?,
-        None => none.slice(..),
-    };
+    let mut none = None;
+    let bv = bias_view(op, 3, bias, &stream, &mut none)?;
     let mut o: CudaSlice<T> = stream.alloc_zeros(dims.q_elems().max(1)).w(op, "alloc")?;
     let mut lse: CudaSlice<f32> = stream.alloc_zeros(dims.q_rows().max(1)).w(op, "alloc")?;
     if dims.q_rows() > 0 {
@@ -414,11 +427,8 @@ fn backward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
     let ov = contiguous_view::<T>(op, 3, o.0, o.1)?;
     let gv = contiguous_view::<T>(op, 4, g.0, g.1)?;
     let lv = contiguous_view::<f32>(op, 5, lse.0, lse.1)?;
-    let none: CudaSlice<f32> = stream.alloc_zeros(1).w(op, "alloc")?;
-    let bv = match bias {
-        Some((s, l)) => strided_view::<f32>(op, 6, s, l)?,
-        None => none.slice(..),
-    };
+    let mut none = None;
+    let bv = bias_view(op, 6, bias, &stream, &mut none)?;
     let mut dq: CudaSlice<T> = stream.alloc_zeros(dims.q_elems().max(1)).w(op, "alloc")?;
     let mut dk: CudaSlice<T> = stream.alloc_zeros(dims.kv_elems().max(1)).w(op, "alloc")?;
     let mut dv: CudaSlice<T> = stream.alloc_zeros(dims.kv_elems().max(1)).w(op, "alloc")?;
@@ -436,27 +446,24 @@ fn backward<T: CudaDType + DeviceRepr + ValidAsZeroBits>(
             Some([_, dq]) => (dq, MMA_ROWS),
             None => (dq_kernel, DQ_ROWS),
         };
+        let ins = BackwardInputs {
+            q: qv,
+            k: kv,
+            v: vv,
+            bias: bv,
+            g: gv,
+            lse: lv,
+            delta,
+        };
         let args = FlashArgs::Dq {
-            q: &qv,
-            k: &kv,
-            v: &vv,
-            bias: &bv,
-            g: &gv,
-            lse: &lv,
-            delta: &delta,
+            ins: &ins,
             dq: &mut dq,
             dims,
             tiles: (dims.t as usize).div_ceil(dq_rows) as u32,
         };
         launch_flash(op, &dev, dq_kernel, args)?;
         let args = FlashArgs::Dkdv {
-            q: &qv,
-            k: &kv,
-            v: &vv,
-            bias: &bv,
-            g: &gv,
-            lse: &lv,
-            delta: &delta,
+            ins: &ins,
             dk: &mut dk,
             dv: &mut dv,
             dims,

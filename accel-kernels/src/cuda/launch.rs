@@ -13,11 +13,11 @@ use candle_core::cuda::CudaDevice;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg,
+    result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 
 use super::attention::FLASH_WARPS;
-use super::attention::{FlashArgs, FlashDims};
+use super::attention::{BackwardInputs, FlashArgs, FlashDims};
 use super::loss::LossArgs;
 use super::operands::Table;
 use super::pointwise::PointwiseArgs;
@@ -733,30 +733,15 @@ pub(crate) fn launch_flash<T: DeviceRepr>(
             }
         }
         FlashArgs::Dq {
-            q,
-            k,
-            v,
-            bias,
-            g,
-            lse,
-            delta,
+            ins,
             dq,
             dims,
             tiles,
         } => {
-            let short = g.len() < dims.q_elems() || dq.len() < dims.q_elems();
-            if short || lse.len() < dims.q_rows() || delta.len() < dims.q_rows() {
+            if !backward_inputs_fit(ins, dims) || dq.len() < dims.q_elems() {
                 return Err(bad());
             }
-            l.arg(q)
-                .arg(k)
-                .arg(v)
-                .arg(bias)
-                .arg(g)
-                .arg(lse)
-                .arg(delta)
-                .arg(dq)
-                .arg(dims);
+            push_backward_inputs(&mut l, ins).arg(dq).arg(dims);
             LaunchConfig {
                 grid_dim: (dims.b * dims.h, tiles, 1),
                 block_dim: block,
@@ -764,36 +749,17 @@ pub(crate) fn launch_flash<T: DeviceRepr>(
             }
         }
         FlashArgs::Dkdv {
-            q,
-            k,
-            v,
-            bias,
-            g,
-            lse,
-            delta,
+            ins,
             dk,
             dv,
             dims,
             tiles,
         } => {
-            let short = g.len() < dims.q_elems() || dk.len() < dims.kv_elems();
-            if short
-                || dv.len() < dims.kv_elems()
-                || lse.len() < dims.q_rows()
-                || delta.len() < dims.q_rows()
-            {
+            let short = dk.len() < dims.kv_elems() || dv.len() < dims.kv_elems();
+            if !backward_inputs_fit(ins, dims) || short {
                 return Err(bad());
             }
-            l.arg(q)
-                .arg(k)
-                .arg(v)
-                .arg(bias)
-                .arg(g)
-                .arg(lse)
-                .arg(delta)
-                .arg(dk)
-                .arg(dv)
-                .arg(dims);
+            push_backward_inputs(&mut l, ins).arg(dk).arg(dv).arg(dims);
             LaunchConfig {
                 grid_dim: (dims.b * dims.kvh, tiles, 1),
                 block_dim: block,
@@ -814,4 +780,25 @@ pub(crate) fn launch_flash<T: DeviceRepr>(
     // its `mma.sync` exists.
     unsafe { l.launch(cfg) }.w(op, "launch")?;
     Ok(())
+}
+
+/// Whether the contiguous backward inputs hold what `dims` reads of them.
+fn backward_inputs_fit<T>(ins: &BackwardInputs<'_, T>, dims: &FlashDims) -> bool {
+    ins.g.len() >= dims.q_elems()
+        && ins.lse.len() >= dims.q_rows()
+        && ins.delta.len() >= dims.q_rows()
+}
+
+/// Pushes the backward kernels' shared leading parameters, in order.
+fn push_backward_inputs<'a, 'b, T: DeviceRepr>(
+    l: &'b mut LaunchArgs<'a>,
+    ins: &'a BackwardInputs<'a, T>,
+) -> &'b mut LaunchArgs<'a> {
+    l.arg(&ins.q)
+        .arg(&ins.k)
+        .arg(&ins.v)
+        .arg(&ins.bias)
+        .arg(&ins.g)
+        .arg(&ins.lse)
+        .arg(&ins.delta)
 }

@@ -437,7 +437,7 @@ impl<T> WrapDriver<T> for std::result::Result<T, DriverError> {
 }
 
 /// The compute capability of a device, as `10 * major + minor`.
-pub(crate) fn compute_capability(dev: &CudaDevice) -> Result<u32> {
+fn compute_capability(dev: &CudaDevice) -> Result<u32> {
     let (major, minor) = dev
         .cuda_stream()
         .context()
@@ -497,22 +497,29 @@ pub(crate) fn compile(module: ModuleId, arch: &str) -> Result<Ptx> {
     })
 }
 
+/// The per-device entry of [`CACHE`], made on first use.
+fn device_kernels(dev: &CudaDevice) -> Result<Arc<DeviceKernels>> {
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(k) = cache.get(&dev.id()) {
+        return Ok(k.clone());
+    }
+    let k = Arc::new(DeviceKernels {
+        cc: compute_capability(dev)?,
+        modules: RwLock::new(Default::default()),
+    });
+    cache.insert(dev.id(), k.clone());
+    Ok(k)
+}
+
+/// The compute capability of `dev` (`10 * major + minor`), queried once per
+/// device and kept with its modules.
+pub(crate) fn device_cc(dev: &CudaDevice) -> Result<u32> {
+    Ok(device_kernels(dev)?.cc)
+}
+
 /// The kernel `id` on `dev`, compiling and loading its module on first use.
 pub(crate) fn function(dev: &CudaDevice, id: KernelId) -> Result<CudaFunction> {
-    let kernels = {
-        let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
-        match cache.get(&dev.id()) {
-            Some(k) => k.clone(),
-            None => {
-                let k = Arc::new(DeviceKernels {
-                    cc: compute_capability(dev)?,
-                    modules: RwLock::new(Default::default()),
-                });
-                cache.insert(dev.id(), k.clone());
-                k
-            }
-        }
-    };
+    let kernels = device_kernels(dev)?;
     let m = id.module() as usize;
     let loaded = kernels.modules.read().unwrap_or_else(|p| p.into_inner())[m].clone();
     let module = match loaded {
