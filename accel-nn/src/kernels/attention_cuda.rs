@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use candle_core::op::BackpropOp;
 use candle_core::{
-    bail, CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor,
+    bail, CpuStorage, CudaStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor,
 };
 
 use accel_kernels::cuda::FlashMask;
@@ -39,13 +39,12 @@ pub(crate) fn attention_cuda(
             t.contiguous()
         }
     };
-    let bias = mask.bias.map(|b| b.to_dtype(DType::F32)).transpose()?;
     let op = FlashCuda {
         mask: FlashMask {
             scale: scale as f32,
             causal_offset: mask.causal_offset,
         },
-        bias,
+        bias: mask.bias,
         lse: Mutex::new(None),
     };
     unit(q)?.apply_op3(&unit(k)?, &unit(v)?, op)

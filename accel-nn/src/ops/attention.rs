@@ -47,6 +47,19 @@ impl AttentionMask {
             AttentionMask::CausalAndAdditive { offset, bias } => (Some(*offset), Some(bias)),
         }
     }
+
+    /// The kernels' form of the mask for `[b, h, t, s]` scores: the causal
+    /// offset, and the bias in f32 broadcast to the scores' shape.
+    fn spec(&self, dims: (usize, usize, usize, usize)) -> Result<MaskSpec> {
+        let (offset, bias) = self.parts();
+        let bias = bias
+            .map(|bias| bias.to_dtype(DType::F32)?.broadcast_as(dims))
+            .transpose()?;
+        Ok(MaskSpec {
+            causal_offset: offset,
+            bias,
+        })
+    }
 }
 
 /// Whether CUDA tensors take the tiled kernels of `attention.cu` (forward,
@@ -89,20 +102,14 @@ pub fn scaled_dot_product_attention(
             v.dims()
         )
     }
-    let (offset, bias) = mask.parts();
+    let (_, bias) = mask.parts();
     let same_dtype = k.dtype() == q.dtype() && v.dtype() == q.dtype();
     let bias_is_constant = bias.is_none_or(|b| !b.track_op());
     let cuda = takes_cuda(q, k, v, bias_is_constant);
     if !(cuda || fused(q) && same_dtype && bias_is_constant) {
         return composed_attention(q, k, v, mask, scale);
     }
-    let bias = bias
-        .map(|bias| bias.to_dtype(DType::F32)?.broadcast_as((b, h, t, s)))
-        .transpose()?;
-    let spec = MaskSpec {
-        causal_offset: offset,
-        bias,
-    };
+    let spec = mask.spec((b, h, t, s))?;
     if cuda {
         return kernels::attention_cuda(q, k, v, spec, scale);
     }
@@ -127,7 +134,7 @@ pub fn cuda_flash_attention(
 ) -> Result<Tensor> {
     let (b, h, t, _) = q.dims4()?;
     let s = k.dim(2)?;
-    let (offset, bias) = mask.parts();
+    let (_, bias) = mask.parts();
     if !(fused_cuda(q) && kernels::attention_cuda_supported(q, k, v)) {
         bail!(
             "cuda_flash_attention: q {:?} {:?} on {:?} needs CUDA tensors of one float dtype with \
@@ -140,14 +147,7 @@ pub fn cuda_flash_attention(
     if bias.is_some_and(|b| b.track_op()) {
         bail!("cuda_flash_attention: the bias is a variable; its gradient needs the composed path")
     }
-    let bias = bias
-        .map(|bias| bias.to_dtype(DType::F32)?.broadcast_as((b, h, t, s)))
-        .transpose()?;
-    let spec = MaskSpec {
-        causal_offset: offset,
-        bias,
-    };
-    kernels::attention_cuda(q, k, v, spec, scale)
+    kernels::attention_cuda(q, k, v, mask.spec((b, h, t, s))?, scale)
 }
 
 /// Self-attention straight from a fused qkv projection: `qkv [b, t, 3 *
@@ -169,7 +169,7 @@ pub fn attention_qkv(
             qkv.dims()
         )
     }
-    let (offset, bias) = mask.parts();
+    let (_, bias) = mask.parts();
     let bias_is_constant = bias.is_none_or(|b| !b.track_op());
     if CUDA_ATTENTION_CHECKED && bias_is_constant && fused_cuda(qkv) {
         // Heads split with views; the kernels read them in place.
@@ -183,14 +183,7 @@ pub fn attention_qkv(
     if !(fused(qkv) && bias_is_constant) {
         return composed_attention_qkv(qkv, n_head, mask, scale);
     }
-    let bias = bias
-        .map(|bias| bias.to_dtype(DType::F32)?.broadcast_as((b, n_head, t, t)))
-        .transpose()?;
-    let spec = MaskSpec {
-        causal_offset: offset,
-        bias,
-    };
-    kernels::attention_packed(qkv, n_head, spec, scale)
+    kernels::attention_packed(qkv, n_head, mask.spec((b, n_head, t, t))?, scale)
 }
 
 /// Composed [`attention_qkv`]: split heads with views, composed attention,
