@@ -42,6 +42,8 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 /// One decay group: the model's weights, their fp32 masters (the weights
 /// themselves when they are fp32) and the moments.
 struct Group {
+    /// Whether the weights are a half type (gradients and masters are cast).
+    half: bool,
     params: Vec<Tensor>,
     masters: Vec<Tensor>,
     m: Vec<Tensor>,
@@ -88,6 +90,7 @@ impl RawAdamW {
                     .iter()
                     .map(zeros)
                     .collect::<candle_core::Result<_>>()?,
+                half,
                 params,
                 masters,
                 hp: AdamWParams {
@@ -120,12 +123,11 @@ impl RawAdamW {
                     None => bail!("weight {i} of a decay group got no gradient"),
                 }
             }
-            let half = g.params.iter().any(|p| p.dtype() != DType::F32);
-            if half {
+            if g.half {
                 gs = cast_tensors(&gs, DType::F32)?;
             }
             adamw_step(&g.masters, &gs, &g.m, &g.v, self.step, &g.hp)?;
-            if half {
+            if g.half {
                 cast_into(&g.masters, &g.params)?;
             }
         }
