@@ -335,6 +335,25 @@ pub enum Error {
         reason: String,
     },
 
+    // === quantized weights ===
+    /// A quantization setting that does not exist or cannot run here.
+    #[error("quantization: {key}: {reason}")]
+    BadQuantConfig {
+        /// The setting (flag, or file and key).
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A quantized weight's stored state disagrees with itself or the model.
+    #[error("quantized weight `{tensor}`: {reason}")]
+    BadQuantState {
+        /// The tensor at fault.
+        tensor: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
     // === wrapped errors from lower layers ===
     /// A tensor operation failed inside candle.
     #[error(transparent)]

@@ -48,6 +48,7 @@ pub mod offload;
 mod ordered_map;
 mod planner;
 mod planner_fallback;
+pub mod quant;
 pub mod safetensors;
 mod sizes;
 mod tree;
