@@ -2,6 +2,7 @@
 //! serves tensors by name, and [`load_checkpoint_in_model`] on top of it.
 
 mod load;
+mod quantized;
 mod source;
 // The unit tests write checkpoints with the same helpers as the integration
 // tests; they use only part of them.

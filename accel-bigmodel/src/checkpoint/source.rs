@@ -66,6 +66,8 @@ pub struct CheckpointSource {
     built: Mutex<HashMap<String, Tensor>>,
     // A LoRA adapter merged into the weights it adapts as they are read.
     adapter: Option<Arc<LoraAdapter>>,
+    // Linear weights quantized as they are read (`with_quantization`).
+    pub(super) quant: Option<Arc<crate::quant::QuantizeOnLoad>>,
 }
 
 impl CheckpointSource {
@@ -103,6 +105,7 @@ impl CheckpointSource {
             mapped,
             by_name,
             adapter: None,
+            quant: None,
         })
     }
 
@@ -153,9 +156,10 @@ impl CheckpointSource {
         self.by_name.keys().map(String::as_str)
     }
 
-    /// Whether the checkpoint holds `name`.
+    /// Whether the checkpoint holds `name`, or serves it as a part of a
+    /// weight quantized on load.
     pub fn contains(&self, name: &str) -> bool {
-        self.by_name.contains_key(name)
+        self.by_name.contains_key(name) || self.serves_quantized(name, None)
     }
 
     /// Where `name` lives: file, dtype, shape and byte range, from the headers.
@@ -176,10 +180,28 @@ impl CheckpointSource {
     /// CPU tensor in the file's own dtype is the file's pages themselves
     /// where [`crate::MappedAlloc`] is installed (see [`crate::mapped`]).
     ///
+    /// With quantization on load ([`CheckpointSource::with_quantization`]),
+    /// the parts of a quantized weight are computed from the checkpoint's
+    /// (the weight itself when asked for as u8). An int8 tensor (LLM.int8
+    /// weights), which candle cannot hold, comes as its bytes in u8.
+    ///
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::Safetensors`] when candle cannot hold
     /// the file's dtype, [`Error::Candle`] / [`Error::Kernels`] on device failure.
     pub fn tensor(&self, name: &str, device: &Device, dtype: Option<DType>) -> Result<Tensor> {
+        if let Some(t) = self.quantized_part(name, dtype, device)? {
+            return Ok(t);
+        }
+        self.tensor_unquantized(name, device, dtype)
+    }
+
+    /// [`CheckpointSource::tensor`] as the checkpoint stores it.
+    pub(super) fn tensor_unquantized(
+        &self,
+        name: &str,
+        device: &Device,
+        dtype: Option<DType>,
+    ) -> Result<Tensor> {
         let Some(&i) = self.by_name.get(name) else {
             return Err(Error::MissingTensor {
                 name: name.to_string(),
@@ -197,6 +219,12 @@ impl CheckpointSource {
         if device.is_cpu() {
             if let Some(t) = self.mapped_tensor(i, name, dtype) {
                 return Ok(t);
+            }
+        }
+        let file = &self.mapped[i];
+        if let (Some(entry), Some(bytes)) = (file.header().get(name), file.bytes(name)) {
+            if entry.dtype == "I8" && dtype.is_none_or(|d| d == DType::U8) {
+                return super::quantized::int8_as_u8(bytes, &entry.shape, device);
             }
         }
         let tensor = self.mapped[i].tensor(name, device)?;
@@ -271,18 +299,21 @@ impl candle_nn::var_builder::SimpleBackend for CheckpointSource {
         dtype: DType,
         device: &Device,
     ) -> candle_core::Result<Tensor> {
-        let location = self.locate(name).ok_or_else(|| {
+        let got = self.shape_of(name, Some(dtype)).ok_or_else(|| {
             candle_core::Error::wrap(Error::MissingTensor {
                 name: name.to_string(),
                 checkpoint: self.checkpoint.clone(),
             })
         })?;
-        if location.shape() != shape.dims() {
+        if got != shape.dims() {
+            let path = self
+                .locate(name)
+                .map_or(self.checkpoint.clone(), |at| at.file.to_path_buf());
             return Err(candle_core::Error::wrap(Error::ShapeMismatch {
-                path: location.file.to_path_buf(),
+                path,
                 tensor: name.to_string(),
                 expected: shape.dims().to_vec(),
-                got: location.shape().to_vec(),
+                got,
             }));
         }
         self.for_model(name, device, dtype)

@@ -36,6 +36,7 @@ mod loss;
 mod loss_chunked;
 mod math;
 mod norm;
+mod quant;
 mod rope;
 mod skinny;
 mod softmax;
@@ -51,6 +52,7 @@ pub(crate) use linear::{linear, Act};
 pub(crate) use loss::{cross_entropy, linear_cross_entropy, LOGITS_BUDGET};
 pub(crate) use loss_chunked::chunked_linear_cross_entropy;
 pub(crate) use norm::{layer_norm, rms_norm};
+pub(crate) use quant::{quantized_linear, QuantTensors, Store};
 pub(crate) use rope::rope;
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};
 

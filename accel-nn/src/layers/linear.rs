@@ -4,13 +4,17 @@ use candle_core::{Module, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use super::lora::{self, LoraLayer, LoraSpec};
+use super::quantized::{QuantSpec, QuantizedWeight};
 use crate::ops::{self, Activation};
 
 /// `x @ weight^T + bias` with weight `[out, in]` (PyTorch `nn.Linear`),
 /// plus a LoRA adapter's update when it has one ([`Linear::with_lora`]).
+/// The weight may be quantized (bitsandbytes' `Linear4bit` /
+/// `Linear8bitLt`): frozen, and multiplied without being dequantized whole.
 #[derive(Debug, Clone)]
 pub struct Linear {
     weight: Tensor,
+    quantized: Option<QuantizedWeight>,
     bias: Option<Tensor>,
     lora: Option<LoraLayer>,
 }
@@ -20,8 +24,35 @@ impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Self {
         Self {
             weight,
+            quantized: None,
             bias,
             lora: None,
+        }
+    }
+
+    /// A layer over a quantized weight.
+    pub fn from_quantized(weight: QuantizedWeight, bias: Option<Tensor>) -> Self {
+        Self {
+            weight: weight.packed().clone(),
+            quantized: Some(weight),
+            bias,
+            lora: None,
+        }
+    }
+
+    /// The quantized weight, for a layer whose module was quantized.
+    pub fn quantized(&self) -> Option<&QuantizedWeight> {
+        self.quantized.as_ref()
+    }
+
+    /// `(out, in)`.
+    ///
+    /// # Errors
+    /// A dense weight that is not 2-D.
+    pub fn dims(&self) -> Result<(usize, usize)> {
+        match &self.quantized {
+            Some(q) => Ok(q.dims()),
+            None => self.weight.dims2(),
         }
     }
 
@@ -33,7 +64,7 @@ impl Linear {
     /// # Errors
     /// Those of the weight source.
     pub fn with_lora(mut self, spec: Option<&LoraSpec>, vb: &VarBuilder) -> Result<Self> {
-        let (out, inp) = self.weight.dims2()?;
+        let (out, inp) = self.dims()?;
         self.lora = lora::adapter_for(spec, vb, out, inp)?;
         Ok(self)
     }
@@ -43,7 +74,8 @@ impl Linear {
         self.lora.as_ref()
     }
 
-    /// The `[out, in]` weight.
+    /// The `[out, in]` weight; for a quantized layer, its packed codes (u8,
+    /// see [`Linear::quantized`]).
     pub fn weight(&self) -> &Tensor {
         &self.weight
     }
@@ -56,12 +88,13 @@ impl Linear {
     /// The layer followed by `act`, fused into one op on CPU (saves a pass
     /// over the output and the activation's backward chain).
     pub fn forward_act(&self, x: &Tensor, act: Option<Activation>) -> Result<Tensor> {
-        match &self.lora {
+        let base = |act| match &self.quantized {
+            Some(q) => ops::quantized_linear(x, q, self.bias.as_ref(), act),
             None => ops::linear(x, &self.weight, self.bias.as_ref(), act),
-            Some(l) => {
-                let y = ops::linear(x, &self.weight, self.bias.as_ref(), None)?;
-                lora::forward(l, x, y, act)
-            }
+        };
+        match &self.lora {
+            None => base(act),
+            Some(l) => lora::forward(l, x, base(None)?, act),
         }
     }
 }
@@ -74,29 +107,50 @@ impl Module for Linear {
 
 /// A `Linear` with bias under `vb` (`weight`, `bias`), initialised like
 /// `candle_nn::linear` (Kaiming-normal weight, uniform ±1/sqrt(in) bias).
+/// A source holding the module quantized gives a quantized layer.
 pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
-    let w = vb.get_with_hints(
-        (out_dim, in_dim),
-        "weight",
-        candle_nn::init::DEFAULT_KAIMING_NORMAL,
-    )?;
-    let bound = 1.0 / (in_dim as f64).sqrt();
-    let init = Init::Uniform {
-        lo: -bound,
-        up: bound,
-    };
-    let b = vb.get_with_hints(out_dim, "bias", init)?;
-    Ok(Linear::new(w, Some(b)))
+    linear_b_with(in_dim, out_dim, true, vb, None, None)
 }
 
 /// A `Linear` without bias under `vb` (`weight`).
 pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
-    let w = vb.get_with_hints(
-        (out_dim, in_dim),
-        "weight",
-        candle_nn::init::DEFAULT_KAIMING_NORMAL,
-    )?;
-    Ok(Linear::new(w, None))
+    linear_b_with(in_dim, out_dim, false, vb, None, None)
+}
+
+/// The layer's weight: quantized when the source holds it so (see
+/// [`QuantizedWeight::from_var_builder`]), else dense.
+fn weight_at(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: &VarBuilder,
+    quant: Option<&QuantSpec>,
+) -> Result<Linear> {
+    // The weight before the bias: the order transformers registers them in.
+    let quantized = QuantizedWeight::from_var_builder(vb, out_dim, in_dim, quant)?;
+    let dense = match quantized {
+        Some(_) => None,
+        None => Some(vb.get_with_hints(
+            (out_dim, in_dim),
+            "weight",
+            candle_nn::init::DEFAULT_KAIMING_NORMAL,
+        )?),
+    };
+    let b = if bias {
+        let bound = 1.0 / (in_dim as f64).sqrt();
+        let init = Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        Some(vb.get_with_hints(out_dim, "bias", init)?)
+    } else {
+        None
+    };
+    Ok(match (quantized, dense) {
+        (Some(q), _) => Linear::from_quantized(q, b),
+        (None, Some(w)) => Linear::new(w, b),
+        (None, None) => unreachable!("a dense weight is read when there is no quantized one"),
+    })
 }
 
 /// [`linear`] or [`linear_no_bias`], picked by `bias` (HF's `*_bias` flags).
@@ -113,10 +167,18 @@ pub fn linear_b_lora(
     vb: VarBuilder,
     lora: Option<&LoraSpec>,
 ) -> Result<Linear> {
-    let layer = if bias {
-        linear(in_dim, out_dim, vb.clone())?
-    } else {
-        linear_no_bias(in_dim, out_dim, vb.clone())?
-    };
-    layer.with_lora(lora, &vb)
+    linear_b_with(in_dim, out_dim, bias, vb, lora, None)
+}
+
+/// [`linear_b_lora`] whose quantized weight, when the source holds one,
+/// computes as `quant` says (bitsandbytes' compute dtype).
+pub fn linear_b_with(
+    in_dim: usize,
+    out_dim: usize,
+    bias: bool,
+    vb: VarBuilder,
+    lora: Option<&LoraSpec>,
+    quant: Option<&QuantSpec>,
+) -> Result<Linear> {
+    weight_at(in_dim, out_dim, bias, &vb, quant)?.with_lora(lora, &vb)
 }

@@ -15,6 +15,7 @@ pub(crate) mod dropout;
 mod linear;
 mod loss;
 mod norm;
+mod quantized;
 mod rope;
 mod softmax;
 
@@ -27,6 +28,7 @@ pub use dropout::dropout;
 pub use linear::linear;
 pub use loss::{cross_entropy, linear_cross_entropy};
 pub use norm::{layer_norm, rms_norm};
+pub use quantized::quantized_linear;
 pub use rope::{rope, rope_interleaved};
 pub use softmax::{log_softmax, softmax, softmax_last_dim};
 

@@ -1,5 +1,6 @@
-//! The one audited module of `unsafe` in accel-nn (this file and `amx/`,
-//! the AMX tile kernel's inline assembly).
+//! The one audited module of `unsafe` in accel-nn (this file, `amx/`, the
+//! AMX tile kernel's inline assembly, and `quant.rs`, 4-bit codes expanded
+//! with AVX-512 permutes).
 //!
 //! Why it exists: the fused kernels call `gemm` with the strides their data
 //! already has (so head splits and weight transposes cost no copies), and
@@ -10,6 +11,7 @@
 //! never an out-of-bounds access.
 
 pub(crate) mod amx;
+pub(crate) mod quant;
 
 /// A read-only strided matrix over a slice: element (i, j) lives at
 /// `data[off + i * rs + j * cs]`.

@@ -68,6 +68,19 @@ pub(crate) fn x_wt(x: &[f32], w: &[f32], m: usize, k: usize, out: usize) -> Vec<
     x_wt_in(x, w, (m, k, out), m >= lanes && out >= BROADCAST_MIN_OUT)
 }
 
+/// The dot-product form on one slab of `w` rows: `yt [rows, m] = w [rows, k]
+/// @ x [m, k]^T` on the calling thread (for callers that make the slab
+/// themselves, such as the quantized products that dequantize it), and the
+/// number of `w` rows a slab should have.
+pub(crate) fn slab_x_wt(x: &[f32], w: &[f32], yt: &mut [f32], m: usize, k: usize) {
+    pulp::Arch::new().dispatch(Tiles { x, w, yt, m, k })
+}
+
+/// Rows of `w` per slab of [`slab_x_wt`] for `m` rows of `x` of length `k`.
+pub(crate) fn slab_rows(k: usize, m: usize) -> usize {
+    w_rows_per_task(k, m)
+}
+
 /// [`x_wt`] in the form given: broadcasts or dot products.
 fn x_wt_in(x: &[f32], w: &[f32], (m, k, out): (usize, usize, usize), broadcast: bool) -> Vec<f32> {
     assert_eq!(x.len(), m * k, "skinny linear: x is not [{m}, {k}]");

@@ -1,0 +1,100 @@
+//! Tiles of a quantized weight as f32 values.
+
+use super::QuantRef;
+#[cfg(test)]
+use super::Scales;
+
+/// `dst[r * ld + c] = W[r0 + r, k0 + c]` for `r < rows`, `c < kc`: the
+/// values bitsandbytes multiplies with (4-bit: `code * block maximum`
+/// rounded to the dtype the weight was quantized from; 8-bit:
+/// `code * row maximum / 127`).
+///
+/// # Panics
+/// When the tile is outside the weight or `dst` (the weight's slices were
+/// checked by [`QuantRef::check`] when the op was built).
+pub(super) fn tile(
+    w: &QuantRef,
+    (r0, rows): (usize, usize),
+    (k0, kc): (usize, usize),
+    dst: &mut [f32],
+    ld: usize,
+) {
+    let (out, inp) = w.dims();
+    assert!(
+        r0 + rows <= out && k0 + kc <= inp && (rows == 0 || (rows - 1) * ld + kc <= dst.len()),
+        "dequant tile [{r0}+{rows}, {k0}+{kc}] of [{out}, {inp}] into {} (ld {ld})",
+        dst.len()
+    );
+    match *w {
+        QuantRef::FourBit {
+            packed,
+            scales,
+            codes,
+            blocksize,
+            store,
+            ..
+        } => {
+            for r in 0..rows {
+                let base = (r0 + r) * inp;
+                let row = &mut dst[r * ld..][..kc];
+                let mut k = k0;
+                // One block (or the part of it in the tile) at a time.
+                while k < k0 + kc {
+                    let b = (base + k) / blocksize;
+                    let end = ((b + 1) * blocksize - base).min(k0 + kc);
+                    let s = scales.get(b);
+                    span(
+                        packed,
+                        codes,
+                        s,
+                        store,
+                        base + k,
+                        &mut row[k - k0..end - k0],
+                    );
+                    k = end;
+                }
+            }
+        }
+        QuantRef::EightBit { codes, row_max, .. } => {
+            for r in 0..rows {
+                let m = row_max[r0 + r];
+                let src = &codes[(r0 + r) * inp + k0..][..kc];
+                for (d, &c) in dst[r * ld..][..kc].iter_mut().zip(src) {
+                    *d = accel_bigmodel::quant::int8_value(c as i8, m);
+                }
+            }
+        }
+    }
+}
+
+/// The values of flattened elements `e0..e0 + out.len()` of one block
+/// (scale `s`): pairs of codes a byte, the even element in the high nibble.
+#[inline(always)]
+fn span(packed: &[u8], codes: &[f32; 16], s: f32, store: super::Store, e0: usize, out: &mut [f32]) {
+    let mut i = 0;
+    if e0 % 2 == 1 && !out.is_empty() {
+        out[0] = store.round(codes[(packed[e0 / 2] & 15) as usize] * s);
+        i = 1;
+    }
+    let pairs = (out.len() - i) / 2;
+    let bytes = &packed[(e0 + i) / 2..][..pairs];
+    if store == super::Store::F32 && super::super::raw::quant::span_available() {
+        super::super::raw::quant::span_f32(bytes, codes, s, &mut out[i..i + 2 * pairs]);
+    } else {
+        for (o, &byte) in out[i..i + 2 * pairs].chunks_exact_mut(2).zip(bytes) {
+            o[0] = store.round(codes[(byte >> 4) as usize] * s);
+            o[1] = store.round(codes[(byte & 15) as usize] * s);
+        }
+    }
+    i += 2 * pairs;
+    if i < out.len() {
+        let e = e0 + i;
+        out[i] = store.round(codes[(packed[e / 2] >> 4) as usize] * s);
+    }
+}
+
+/// The f32 maximum of block `b` (for the tests' reference).
+#[cfg(test)]
+pub(super) fn scale(s: &Scales, b: usize) -> f32 {
+    s.get(b)
+}

@@ -1,0 +1,188 @@
+//! The quantized weight's tensors and the op `x W^T` over them, with the
+//! input's gradient (the weight is frozen: it never gets one).
+
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
+
+use super::{QuantRef, Scales, Store};
+use crate::kernels::{as_f32, from_f32, tensor_from_f32, with_f32};
+
+/// A quantized weight `[out, inp]` as tensors (the parameters a checkpoint
+/// holds), with what reading them takes.
+#[derive(Debug, Clone)]
+pub(crate) enum QuantTensors {
+    /// bitsandbytes 4-bit.
+    FourBit {
+        /// u8 codes, two a byte.
+        packed: Tensor,
+        /// f32 block maxima, or u8 codes of them with `nested`.
+        absmax: Tensor,
+        /// Double quantization: f32 maxima of 256 blocks, and the offset.
+        nested: Option<(Tensor, f32)>,
+        /// The code values (NF4 or FP4).
+        codes: &'static [f32; 16],
+        blocksize: usize,
+        store: Store,
+        out: usize,
+        inp: usize,
+    },
+    /// LLM.int8.
+    EightBit {
+        /// int8 codes as u8 bytes, `[out, inp]`.
+        codes: Tensor,
+        /// f32 row maxima `[out]`.
+        row_max: Tensor,
+        out: usize,
+        inp: usize,
+    },
+}
+
+/// The bytes of a contiguous CPU tensor of `dtype`, as `f` reads them.
+macro_rules! cpu_slice {
+    ($t:expr, $variant:ident, $what:expr, |$s:ident| $body:expr) => {{
+        let (storage, layout) = $t.storage_and_layout();
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            bail!("quantized weight: {} is not contiguous", $what)
+        };
+        match &*storage {
+            Storage::Cpu(CpuStorage::$variant(v)) => {
+                let $s = &v[a..b];
+                $body
+            }
+            Storage::Cpu(other) => bail!(
+                "quantized weight: {} is {:?}, expected {}",
+                $what,
+                other.dtype(),
+                stringify!($variant)
+            ),
+            _ => bail!("quantized weight: {} is not on the CPU", $what),
+        }
+    }};
+}
+
+impl QuantTensors {
+    /// `(out, inp)`.
+    pub(crate) fn dims(&self) -> (usize, usize) {
+        match self {
+            Self::FourBit { out, inp, .. } | Self::EightBit { out, inp, .. } => (*out, *inp),
+        }
+    }
+
+    /// Runs `f` on a view of the host data, checked to hold the whole weight.
+    pub(crate) fn with_ref<R>(&self, f: impl FnOnce(&QuantRef) -> Result<R>) -> Result<R> {
+        let checked = |w: QuantRef| -> Result<R> {
+            if let Err(e) = w.check() {
+                bail!("quantized weight [{}, {}]: {e}", w.dims().0, w.dims().1)
+            }
+            f(&w)
+        };
+        match self {
+            Self::FourBit {
+                packed,
+                absmax,
+                nested,
+                codes,
+                blocksize,
+                store,
+                out,
+                inp,
+            } => cpu_slice!(packed, U8, "the packed codes", |p| match nested {
+                None => cpu_slice!(absmax, F32, "absmax", |a| checked(QuantRef::FourBit {
+                    packed: p,
+                    scales: Scales::F32(a),
+                    codes,
+                    blocksize: *blocksize,
+                    store: *store,
+                    out: *out,
+                    inp: *inp,
+                })),
+                Some((n, offset)) => cpu_slice!(absmax, U8, "absmax codes", |a| {
+                    cpu_slice!(n, F32, "nested_absmax", |n| checked(QuantRef::FourBit {
+                        packed: p,
+                        scales: Scales::Nested {
+                            codes: a,
+                            nested: n,
+                            offset: *offset,
+                        },
+                        codes,
+                        blocksize: *blocksize,
+                        store: *store,
+                        out: *out,
+                        inp: *inp,
+                    }))
+                }),
+            }),
+            Self::EightBit {
+                codes,
+                row_max,
+                out,
+                inp,
+            } => cpu_slice!(codes, U8, "the int8 codes", |c| {
+                cpu_slice!(row_max, F32, "SCB", |m| checked(QuantRef::EightBit {
+                    codes: c,
+                    row_max: m,
+                    out: *out,
+                    inp: *inp,
+                }))
+            }),
+        }
+    }
+
+    /// The weight dequantized on the CPU, `[out, inp]` f32.
+    pub(crate) fn dequantize(&self) -> Result<Tensor> {
+        let (out, inp) = self.dims();
+        let v = self.with_ref(|w| Ok(super::dequantize(w)))?;
+        Tensor::from_vec(v, (out, inp), &candle_core::Device::Cpu)
+    }
+}
+
+/// `x [n, inp] @ W^T` on CPU tensors (f32, bf16 or f16, computed in f32),
+/// differentiable in `x`.
+pub(crate) fn quantized_linear(x: &Tensor, w: &Arc<QuantTensors>) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(QuantLinearOp { w: w.clone() })
+}
+
+struct QuantLinearOp {
+    w: Arc<QuantTensors>,
+}
+
+impl CustomOp1 for QuantLinearOp {
+    fn name(&self) -> &'static str {
+        "accel-quantized-linear"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, inp) = l.shape().dims2()?;
+        let (out, w_in) = self.w.dims();
+        if inp != w_in {
+            bail!("quantized linear: x is [{n}, {inp}] but the weight is [{out}, {w_in}]")
+        }
+        let xs = as_f32(s, l)?;
+        let y = self.w.with_ref(|w| Ok(super::forward(&xs, n, w)))?;
+        Ok((from_f32(y, s.dtype())?, Shape::from((n, out))))
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        if !x.track_op() {
+            return Ok(None);
+        }
+        let (n, inp) = x.dims2()?;
+        let dx = with_f32(grad, |dy| {
+            self.w.with_ref(|w| Ok(super::backward_input(dy, n, w)))
+        })?;
+        Ok(Some(tensor_from_f32(dx, (n, inp), x.dtype())?))
+    }
+}
+
+impl Store {
+    /// The store of a weight quantized from `dtype`.
+    pub(crate) fn of(dtype: DType) -> Self {
+        match dtype {
+            DType::BF16 => Self::Bf16,
+            DType::F16 => Self::F16,
+            _ => Self::F32,
+        }
+    }
+}
