@@ -4,6 +4,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use accel_bigmodel::lora::LoraAdapter;
+use accel_bigmodel::quant::BnbQuantizationConfig;
 use accel_bigmodel::{
     infer_auto_device_map, CheckpointSource, DeviceMap, EmptyWeights, ModuleTree, PlanOptions,
 };
@@ -64,11 +65,53 @@ impl AutoModel {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        Self::load_quantized(dir, None, adapter, dtype, device)
+    }
+
+    /// Loads a checkpoint folder with its linear layers quantized as
+    /// `quantization` says (transformers' `from_pretrained(...,
+    /// quantization_config=BitsAndBytesConfig(...))`), each weight
+    /// quantized as it is read; a folder saved quantized (its `config.json`
+    /// has a `quantization_config`) loads quantized with `None`. Other
+    /// weights are converted to `dtype`. On a quantized model an adapter
+    /// runs unmerged, as PEFT runs it on a 4-bit base; on a full-precision
+    /// one it is merged as [`AutoModel::load_with_adapter`] says.
+    ///
+    /// # Errors
+    /// As [`AutoModel::load_with_adapter`]; quantization asked for on a
+    /// folder that is already quantized; a bad quantization setting.
+    pub fn load_quantized(
+        dir: impl AsRef<Path>,
+        quantization: Option<&BnbQuantizationConfig>,
+        adapter: Option<&Path>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
         let dir = dir.as_ref();
-        let cfg = ModelConfig::from_path(dir)?;
+        let mut cfg = ModelConfig::from_path(dir)?;
         let mut source = CheckpointSource::open(dir)?;
+        if let Some(q) = quantization {
+            if cfg.quantization().is_some() {
+                bail_input!(
+                    "quantization",
+                    "{} is already quantized (config.json has a quantization_config); load it \
+                     without quantization flags",
+                    dir.display()
+                );
+            }
+            cfg.set_quantization(q.clone());
+            if let Some(on_load) = cfg.quantize_on_load()? {
+                source = source.with_quantization(on_load)?;
+            }
+        }
         if let Some(adapter) = adapter {
-            source = source.with_adapter(Arc::new(LoraAdapter::open(adapter)?))?;
+            let adapter = Arc::new(LoraAdapter::open(adapter)?);
+            source = if cfg.quantization().is_some() {
+                cfg.set_lora(adapter.config().clone());
+                source.with_adapter_unmerged(adapter)?
+            } else {
+                source.with_adapter(adapter)?
+            };
         }
         Self::new(
             &cfg,

@@ -14,7 +14,9 @@ use std::path::Path;
 
 use accel_bigmodel::{CheckpointSource, DTypeName, ModuleTree};
 use accel_nn::block::{Activations, AnyBlock, Block, BlockForward, Model};
-use accel_nn::layers::{layer_norm, linear, Activation, Embedding, LayerNorm, Linear};
+use accel_nn::layers::{
+    layer_norm, linear, linear_b_with, Activation, Embedding, LayerNorm, Linear,
+};
 use accel_nn::ops::{self, AttentionMask};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{Init, VarBuilder};
@@ -91,7 +93,7 @@ impl BertLayer {
         let (d, i, eps) = (cfg.hidden_size, cfg.intermediate_size, cfg.layer_norm_eps);
         let att = vb.pp("attention");
         let linear =
-            |i, o, vb: VarBuilder| linear(i, o, vb.clone())?.with_lora(cfg.lora.as_ref(), &vb);
+            |i, o, vb| linear_b_with(i, o, true, vb, cfg.lora.as_ref(), cfg.quant.as_ref());
         Ok(Self {
             n_head: cfg.num_attention_heads,
             act: cfg.hidden_act,

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use accel_bigmodel::lora::LoraConfig;
-use accel_nn::layers::{Activation, Llama3RopeScaling, LoraSpec};
+use accel_nn::layers::{Activation, Llama3RopeScaling, LoraSpec, QuantSpec};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
@@ -133,6 +133,9 @@ pub struct LlamaConfig {
     /// LoRA adapters to build on the linear layers (not in `config.json`;
     /// see [`ModelConfig::set_lora`]).
     pub lora: Option<LoraSpec>,
+    /// How quantized linear layers compute (`quantization_config`, see
+    /// [`ModelConfig::set_quantization`]).
+    pub quant: Option<QuantSpec>,
 }
 
 impl LlamaConfig {
@@ -227,6 +230,7 @@ impl LlamaConfig {
             sliding_window,
             eos_token_ids: token_ids(raw.eos_token_id.as_ref()),
             lora: None,
+            quant: None,
         })
     }
 }
@@ -278,6 +282,9 @@ pub struct Gpt2Config {
     /// LoRA adapters (see [`ModelConfig::set_lora`]).
     #[serde(skip)]
     pub lora: Option<LoraSpec>,
+    /// Quantized linear layers (see [`ModelConfig::set_quantization`]).
+    #[serde(skip)]
+    pub quant: Option<QuantSpec>,
 }
 
 fn gpt2_eps() -> f64 {
@@ -320,6 +327,9 @@ pub struct BertConfig {
     /// LoRA adapters (see [`ModelConfig::set_lora`]).
     #[serde(skip)]
     pub lora: Option<LoraSpec>,
+    /// Quantized linear layers (see [`ModelConfig::set_quantization`]).
+    #[serde(skip)]
+    pub quant: Option<QuantSpec>,
 }
 
 fn two() -> usize {
@@ -390,6 +400,15 @@ impl ModelConfig {
             path: path.clone(),
             reason: e.to_string(),
         })?;
+        let quantization = value.get("quantization_config").cloned();
+        let mut cfg = Self::from_value(path.clone(), value)?;
+        cfg.read_quantization(&path, quantization)?;
+        Ok(cfg)
+    }
+
+    /// [`ModelConfig::from_path`] of the parsed file, without its
+    /// `quantization_config`.
+    fn from_value(path: PathBuf, value: Value) -> Result<Self> {
         let model_type = match value.get("model_type") {
             Some(Value::String(s)) => s.clone(),
             _ => {

@@ -13,7 +13,9 @@ use std::path::Path;
 
 use accel_bigmodel::{CheckpointSource, ModuleTree};
 use accel_nn::block::{Activations, AnyBlock, Block, BlockForward, KvCacheSlot, Model};
-use accel_nn::layers::{layer_norm, Activation, Embedding, LayerNorm, Linear, LoraSpec};
+use accel_nn::layers::{
+    layer_norm, Activation, Embedding, LayerNorm, Linear, LoraSpec, QuantSpec, QuantizedWeight,
+};
 use accel_nn::ops;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Init, VarBuilder};
@@ -37,13 +39,19 @@ const INIT: Init = Init::Randn {
 /// (`PreparedModel::load_checkpoint`, optimizer steps), so a copy taken at
 /// build time would keep the values the weight had then.
 /// With a LoRA adapter where `lora` targets the module (its `A` and `B`
-/// are PEFT's `[r, in]` and `[out, r]` either way).
+/// are PEFT's `[r, in]` and `[out, r]` either way). A quantized `Conv1D`
+/// is stored `[out, in]`: transformers transposes it before quantizing.
 fn conv1d(
     inp: usize,
     out: usize,
     vb: VarBuilder,
     lora: Option<&LoraSpec>,
+    quant: Option<&QuantSpec>,
 ) -> candle_core::Result<Linear> {
+    if let Some(q) = QuantizedWeight::from_var_builder(&vb, out, inp, quant)? {
+        let b = vb.get_with_hints(out, "bias", Init::Const(0.0))?;
+        return Linear::from_quantized(q, Some(b)).with_lora(lora, &vb);
+    }
     let w = vb.get_with_hints((inp, out), "weight", INIT)?;
     let b = vb.get_with_hints(out, "bias", Init::Const(0.0))?;
     Linear::new(w.t()?, Some(b)).with_lora(lora, &vb)
@@ -87,16 +95,17 @@ impl Gpt2Block {
         if cfg.scale_attn_by_inverse_layer_idx {
             scale /= (layer + 1) as f64;
         }
+        let (lora, quant) = (cfg.lora.as_ref(), cfg.quant.as_ref());
         Ok(Self {
             n_head: cfg.n_head,
             scale,
             act: cfg.activation_function,
             ln_1: layer_norm(d, eps, vb.pp("ln_1"))?,
-            c_attn: conv1d(d, 3 * d, vb.pp("attn").pp("c_attn"), cfg.lora.as_ref())?,
-            attn_proj: conv1d(d, d, vb.pp("attn").pp("c_proj"), cfg.lora.as_ref())?,
+            c_attn: conv1d(d, 3 * d, vb.pp("attn").pp("c_attn"), lora, quant)?,
+            attn_proj: conv1d(d, d, vb.pp("attn").pp("c_proj"), lora, quant)?,
             ln_2: layer_norm(d, eps, vb.pp("ln_2"))?,
-            c_fc: conv1d(d, inner, vb.pp("mlp").pp("c_fc"), cfg.lora.as_ref())?,
-            mlp_proj: conv1d(inner, d, vb.pp("mlp").pp("c_proj"), cfg.lora.as_ref())?,
+            c_fc: conv1d(d, inner, vb.pp("mlp").pp("c_fc"), lora, quant)?,
+            mlp_proj: conv1d(inner, d, vb.pp("mlp").pp("c_proj"), lora, quant)?,
         })
     }
 

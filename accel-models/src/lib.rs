@@ -57,6 +57,7 @@ mod error;
 mod gpt2;
 mod llama;
 mod parts;
+mod quantized;
 mod tokenizer;
 mod tree;
 

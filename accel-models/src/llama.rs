@@ -12,7 +12,7 @@ use std::path::Path;
 use accel_bigmodel::{CheckpointSource, DTypeName, ModuleTree};
 use accel_nn::block::{Activations, AnyBlock, Block, BlockForward, KvCacheSlot, Model};
 use accel_nn::layers::{
-    linear_b_lora, rms_norm, swiglu_mlp_lora, Embedding, Linear, RmsNorm, RotaryEmbedding,
+    linear_b_with, rms_norm, swiglu_mlp_with, Embedding, Linear, RmsNorm, RotaryEmbedding,
     SwiGluMlp,
 };
 use accel_nn::ops;
@@ -43,8 +43,9 @@ impl DecoderLayer {
         let (d, hd) = (cfg.hidden_size, cfg.head_dim);
         let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let att = vb.pp("self_attn");
-        let lora = cfg.lora.clone();
-        let linear_b = |i, o, bias, vb| linear_b_lora(i, o, bias, vb, lora.as_ref());
+        let (lora, quant) = (cfg.lora.clone(), cfg.quant.clone());
+        let linear_b =
+            |i, o, bias, vb| linear_b_with(i, o, bias, vb, lora.as_ref(), quant.as_ref());
         Ok(Self {
             input_layernorm: rms_norm(d, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
             q_proj: linear_b(d, q, cfg.qkv_bias, att.pp("q_proj"))?,
@@ -56,12 +57,13 @@ impl DecoderLayer {
                 cfg.rms_norm_eps,
                 vb.pp("post_attention_layernorm"),
             )?,
-            mlp: swiglu_mlp_lora(
+            mlp: swiglu_mlp_with(
                 d,
                 cfg.intermediate_size,
                 cfg.mlp_bias,
                 vb.pp("mlp"),
                 lora.as_ref(),
+                quant.as_ref(),
             )?,
             cfg,
         })

@@ -31,7 +31,7 @@ impl CheckpointSource {
                 ),
             });
         }
-        if self.adapter().is_some() {
+        if self.adapter().is_some() && !self.adapter_is_unmerged() {
             return Err(Error::BadQuantConfig {
                 key: "load_in_4bit / load_in_8bit".into(),
                 reason: "a LoRA adapter merged into the weights cannot be quantized after the \
@@ -92,6 +92,9 @@ impl CheckpointSource {
     /// The dims `name` has when asked for in `dtype`: a quantized part's, or
     /// the checkpoint's. `None` when the source holds no such tensor.
     pub fn shape_of(&self, name: &str, dtype: Option<DType>) -> Option<Vec<usize>> {
+        if let Some(shape) = self.adapter_matrix_shape(name) {
+            return Some(shape);
+        }
         if self.serves_quantized(name, dtype) {
             let t = self.quantized_part(name, dtype, &Device::Cpu).ok()??;
             return Some(t.dims().to_vec());

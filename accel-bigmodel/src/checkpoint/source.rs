@@ -64,8 +64,10 @@ pub struct CheckpointSource {
     // asked for again (a head tied to the embeddings) gets the same tensor,
     // as tied modules share one parameter in PyTorch, instead of a copy.
     built: Mutex<HashMap<String, Tensor>>,
-    // A LoRA adapter merged into the weights it adapts as they are read.
+    // A LoRA adapter merged into the weights it adapts as they are read, or
+    // (`adapter_unmerged`) served beside them as `{module}.lora_A.weight`.
     adapter: Option<Arc<LoraAdapter>>,
+    adapter_unmerged: bool,
     // Linear weights quantized as they are read (`with_quantization`).
     pub(super) quant: Option<Arc<crate::quant::QuantizeOnLoad>>,
 }
@@ -105,6 +107,7 @@ impl CheckpointSource {
             mapped,
             by_name,
             adapter: None,
+            adapter_unmerged: false,
             quant: None,
         })
     }
@@ -117,8 +120,47 @@ impl CheckpointSource {
     /// An adapted module whose weight the checkpoint does not hold.
     pub fn with_adapter(mut self, adapter: Arc<LoraAdapter>) -> Result<Self> {
         adapter.check_base(&self)?;
+        if self.quant.is_some() {
+            return Err(Error::BadQuantConfig {
+                key: "adapter".into(),
+                reason: "a LoRA adapter cannot be merged into weights quantized on load; load \
+                         it unmerged (with_adapter_unmerged), as PEFT runs it on a quantized base"
+                    .into(),
+            });
+        }
         self.adapter = Some(adapter);
+        self.adapter_unmerged = false;
         Ok(self)
+    }
+
+    /// The same checkpoint with `adapter`'s matrices served beside the
+    /// weights, as `{module}.lora_A.weight` and `{module}.lora_B.weight`:
+    /// a model built with LoRA layers of the adapter's config runs it
+    /// unmerged (PEFT's `PeftModel.from_pretrained`), which a quantized
+    /// base needs.
+    ///
+    /// # Errors
+    /// An adapted module whose weight the checkpoint does not hold.
+    pub fn with_adapter_unmerged(mut self, adapter: Arc<LoraAdapter>) -> Result<Self> {
+        adapter.check_base(&self)?;
+        self.adapter = Some(adapter);
+        self.adapter_unmerged = true;
+        Ok(self)
+    }
+
+    /// Whether the adapter is served unmerged.
+    pub(super) fn adapter_is_unmerged(&self) -> bool {
+        self.adapter_unmerged
+    }
+
+    /// The dims of the unmerged adapter's matrix `name`, when it holds it.
+    pub(super) fn adapter_matrix_shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.unmerged()?.matrix_shape(name)
+    }
+
+    /// The adapter served unmerged, if any.
+    fn unmerged(&self) -> Option<&LoraAdapter> {
+        self.adapter.as_deref().filter(|_| self.adapter_unmerged)
     }
 
     /// The adapter merged into the weights, if any.
@@ -159,7 +201,11 @@ impl CheckpointSource {
     /// Whether the checkpoint holds `name`, or serves it as a part of a
     /// weight quantized on load.
     pub fn contains(&self, name: &str) -> bool {
-        self.by_name.contains_key(name) || self.serves_quantized(name, None)
+        self.by_name.contains_key(name)
+            || self.serves_quantized(name, None)
+            || self
+                .unmerged()
+                .is_some_and(|a| a.matrix_key(name).is_some())
     }
 
     /// Where `name` lives: file, dtype, shape and byte range, from the headers.
@@ -192,6 +238,11 @@ impl CheckpointSource {
         if let Some(t) = self.quantized_part(name, dtype, device)? {
             return Ok(t);
         }
+        if let Some(a) = self.unmerged() {
+            if let Some(t) = a.matrix(name, device, dtype.unwrap_or(DType::F32))? {
+                return Ok(t);
+            }
+        }
         self.tensor_unquantized(name, device, dtype)
     }
 
@@ -208,7 +259,8 @@ impl CheckpointSource {
                 checkpoint: self.checkpoint.clone(),
             });
         };
-        if let Some(adapter) = self.adapter.as_ref().filter(|a| a.adapts(name)) {
+        let merged = self.adapter.as_ref().filter(|_| !self.adapter_unmerged);
+        if let Some(adapter) = merged.filter(|a| a.adapts(name)) {
             let base = self.mapped[i].tensor(name, device)?;
             let merged = adapter.merge(name, base)?;
             return match dtype {

@@ -152,6 +152,39 @@ impl LoraAdapter {
         self.module_of(name).is_some()
     }
 
+    /// The file's key of the model-side name `{module}.lora_A.weight` or
+    /// `{module}.lora_B.weight`, when the adapter holds that matrix.
+    pub fn matrix_key(&self, name: &str) -> Option<&str> {
+        let (module, is_a) = match (
+            name.strip_suffix(".lora_A.weight"),
+            name.strip_suffix(".lora_B.weight"),
+        ) {
+            (Some(m), _) => (m, true),
+            (_, Some(m)) => (m, false),
+            _ => return None,
+        };
+        let (a, b) = self.modules.get(module)?;
+        Some(if is_a { a } else { b })
+    }
+
+    /// The matrix a model names `{module}.lora_A.weight` (or `lora_B`) on
+    /// `device` in `dtype`, when the adapter holds it: the adapter loaded
+    /// unmerged, as PEFT's `PeftModel.from_pretrained` runs it.
+    ///
+    /// # Errors
+    /// A tensor that cannot be read.
+    pub fn matrix(&self, name: &str, device: &Device, dtype: DType) -> Result<Option<Tensor>> {
+        match self.matrix_key(name) {
+            Some(key) => Ok(Some(self.weights.tensor(key, device, Some(dtype))?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The dims of the matrix a model names `name`, when the adapter holds it.
+    pub fn matrix_shape(&self, name: &str) -> Option<Vec<usize>> {
+        Some(shape(&self.weights, self.matrix_key(name)?))
+    }
+
     fn module_of(&self, name: &str) -> Option<&(String, String)> {
         self.modules.get(name.strip_suffix(".weight")?)
     }

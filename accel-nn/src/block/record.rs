@@ -57,10 +57,13 @@ impl SimpleBackend for Recorder<'_> {
         dtype: DType,
         device: &Device,
     ) -> candle_core::Result<Tensor> {
-        // No shape to record: fetch it from the real source now, once.
+        // No shape to record: fetch it from the real source now. Its value
+        // is handed out too, not a placeholder: a tensor read without a shape
+        // describes the others (a quantized weight's JSON state says which
+        // shapes its parts have).
         let t = self.real.root().get_unchecked_dtype(name, dtype)?;
-        let shape = t.shape().clone();
-        self.get(shape, name, Init::Const(0.), dtype, device)
+        self.get(t.shape().clone(), name, Init::Const(0.), dtype, device)?;
+        t.to_device(device)
     }
 
     fn contains_tensor(&self, name: &str) -> bool {

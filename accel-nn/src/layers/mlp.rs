@@ -3,8 +3,9 @@
 use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
-use super::linear::{linear_b_lora, Linear};
+use super::linear::{linear_b_with, Linear};
 use super::lora::LoraSpec;
+use super::quantized::QuantSpec;
 use crate::ops;
 
 /// `down_proj(silu(gate_proj(x)) * up_proj(x))`, HF's `LlamaMLP` with its
@@ -68,7 +69,19 @@ pub fn swiglu_mlp_lora(
     vb: VarBuilder,
     lora: Option<&LoraSpec>,
 ) -> Result<SwiGluMlp> {
-    let proj = |i, o, name| linear_b_lora(i, o, bias, vb.pp(name), lora);
+    swiglu_mlp_with(hidden, intermediate, bias, vb, lora, None)
+}
+
+/// [`swiglu_mlp_lora`] whose quantized projections compute as `quant` says.
+pub fn swiglu_mlp_with(
+    hidden: usize,
+    intermediate: usize,
+    bias: bool,
+    vb: VarBuilder,
+    lora: Option<&LoraSpec>,
+    quant: Option<&QuantSpec>,
+) -> Result<SwiGluMlp> {
+    let proj = |i, o, name| linear_b_with(i, o, bias, vb.pp(name), lora, quant);
     Ok(SwiGluMlp::new(
         proj(hidden, intermediate, "gate_proj")?,
         proj(hidden, intermediate, "up_proj")?,

@@ -18,7 +18,7 @@ pub use embedding::{embedding, Embedding};
 pub use kv_cache::KvCache;
 pub use linear::{linear, linear_b, linear_b_lora, linear_b_with, linear_no_bias, Linear};
 pub use lora::{LoraLayer, LoraSpec};
-pub use mlp::{swiglu_mlp, swiglu_mlp_lora, SwiGluMlp};
+pub use mlp::{swiglu_mlp, swiglu_mlp_lora, swiglu_mlp_with, SwiGluMlp};
 pub use norm::{layer_norm, layer_norm_no_bias, rms_norm, LayerNorm, RmsNorm};
 pub use quantized::{QuantSpec, QuantizedWeight};
 pub use rotary::{Llama3RopeScaling, RotaryEmbedding};

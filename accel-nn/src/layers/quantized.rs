@@ -4,18 +4,44 @@
 
 use std::sync::Arc;
 
-use accel_bigmodel::quant::{names, quant_state_name, QuantType, State4bit, NESTED_BLOCKSIZE};
+use accel_bigmodel::quant::{
+    names, quant_state_name, BnbQuantizationConfig, QuantMethod, QuantType, State4bit,
+    NESTED_BLOCKSIZE,
+};
 use candle_core::{bail, DType, Result, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use crate::kernels::{QuantTensors, Store};
 
-/// How a model's quantized linear layers compute (bitsandbytes'
-/// `bnb_4bit_compute_dtype`): inputs are cast to it and outputs back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A model's quantization as its layers see it: the bitsandbytes settings
+/// it was loaded with (from `config.json`'s `quantization_config`, or asked
+/// for on load). A 4-bit layer computes in `bnb_4bit_compute_dtype` (inputs
+/// cast to it, outputs back); an 8-bit layer in its input's dtype.
+#[derive(Debug, Clone, PartialEq)]
 pub struct QuantSpec {
-    /// The dtype of the products; `None` multiplies in the input's dtype.
-    pub compute_dtype: Option<DType>,
+    config: Arc<BnbQuantizationConfig>,
+}
+
+impl QuantSpec {
+    /// The spec of a model loaded as `config` says.
+    pub fn new(config: BnbQuantizationConfig) -> Self {
+        Self {
+            config: Arc::new(config),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &BnbQuantizationConfig {
+        &self.config
+    }
+
+    /// The dtype quantized layers multiply in (`None`: the input's).
+    pub fn compute_dtype(&self) -> Option<DType> {
+        match self.config.method() {
+            Ok(QuantMethod::FourBit) => Some(self.config.bnb_4bit_compute_dtype),
+            _ => None,
+        }
+    }
 }
 
 /// A quantized, frozen linear weight `[out, in]`: bitsandbytes' 4-bit blocks
@@ -46,7 +72,7 @@ impl QuantizedWeight {
         inp: usize,
         spec: Option<&QuantSpec>,
     ) -> Result<Option<Self>> {
-        let compute_dtype = spec.and_then(|s| s.compute_dtype);
+        let compute_dtype = spec.and_then(QuantSpec::compute_dtype);
         let name = |s: &str| format!("{}.{s}", vb.prefix());
         for qt in [QuantType::Nf4, QuantType::Fp4] {
             let state_name = format!("weight.{}", quant_state_name(qt));
@@ -54,8 +80,15 @@ impl QuantizedWeight {
                 continue;
             }
             let json = vb.get_unchecked_dtype(&state_name, DType::U8)?;
-            let state = State4bit::from_json(&json.to_vec1::<u8>()?, &name(&state_name))
-                .map_err(candle_core::Error::wrap)?;
+            let state = if accel_bigmodel::is_placeholder(&json) {
+                // A layer built on placeholders (before its weights are
+                // placed, or an FSDP unit's before gathering) only needs
+                // the parts' shapes; it is rebuilt on the real tensors.
+                placeholder_state(qt, out, inp, vb.contains_tensor("weight.nested_absmax"))
+            } else {
+                State4bit::from_json(&json.to_vec1::<u8>()?, &name(&state_name))
+                    .map_err(candle_core::Error::wrap)?
+            };
             if state.shape != [out, inp] || state.quant_type != qt {
                 bail!(
                     "{}: the quantized weight is {:?} {}, the layer [{out}, {inp}]",
@@ -185,8 +218,24 @@ impl QuantizedWeight {
     }
 }
 
-/// Checks a stored code book against the one its type implies.
+/// The state a layer on placeholders assumes: transformers' block size (the
+/// parts' shapes follow from it), no values.
+fn placeholder_state(quant_type: QuantType, out: usize, inp: usize, nested: bool) -> State4bit {
+    State4bit {
+        quant_type,
+        blocksize: accel_bigmodel::quant::BLOCKSIZE,
+        dtype: DType::F32,
+        shape: vec![out, inp],
+        nested: nested.then_some((NESTED_BLOCKSIZE, 0.0)),
+    }
+}
+
+/// Checks a stored code book against the one its type implies (nothing to
+/// check on a placeholder).
 fn check_codes(t: &Tensor, want: &[f32], prefix: &str, what: &str) -> Result<()> {
+    if accel_bigmodel::is_placeholder(t) {
+        return Ok(());
+    }
     let got = t.flatten_all()?.to_vec1::<f32>()?;
     let same = got.len() == want.len() && got.iter().zip(want).all(|(a, b)| a == b);
     if !same {

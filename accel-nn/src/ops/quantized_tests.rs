@@ -97,9 +97,9 @@ fn the_compute_dtype_is_taken_and_left() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let (source, _) = quantized_source(dir.path(), 32, 64, configs()[0].clone())?;
     let vb = VarBuilder::from_backend(Box::new(source), DType::F32, Device::Cpu);
-    let spec = QuantSpec {
-        compute_dtype: Some(DType::BF16),
-    };
+    let mut config = configs()[0].clone();
+    config.bnb_4bit_compute_dtype = DType::BF16;
+    let spec = QuantSpec::new(config);
     let layer = linear_b_with(64, 32, false, vb.pp("m"), None, Some(&spec))?;
     let q = layer.quantized().unwrap();
     let x = randn(&[5, 64], 8, 1.0)?;

@@ -1,8 +1,8 @@
 //! Tiles of a quantized weight as f32 values.
 
-use super::QuantRef;
 #[cfg(test)]
 use super::Scales;
+use super::{QuantRef, Store};
 
 /// `dst[r * ld + c] = W[r0 + r, k0 + c]` for `r < rows`, `c < kc`: the
 /// values bitsandbytes multiplies with (4-bit: `code * block maximum`
@@ -32,6 +32,7 @@ pub(super) fn tile(
             codes,
             blocksize,
             store,
+            compute,
             ..
         } => {
             for r in 0..rows {
@@ -43,24 +44,25 @@ pub(super) fn tile(
                     let b = (base + k) / blocksize;
                     let end = ((b + 1) * blocksize - base).min(k0 + kc);
                     let s = scales.get(b);
-                    span(
-                        packed,
-                        codes,
-                        s,
-                        store,
-                        base + k,
-                        &mut row[k - k0..end - k0],
-                    );
+                    let round = |v: f32| compute.round(store.round(v));
+                    let exact = store == Store::F32 && compute == Store::F32;
+                    let out = &mut row[k - k0..end - k0];
+                    span(packed, codes, s, (exact, round), base + k, out);
                     k = end;
                 }
             }
         }
-        QuantRef::EightBit { codes, row_max, .. } => {
+        QuantRef::EightBit {
+            codes,
+            row_max,
+            compute,
+            ..
+        } => {
             for r in 0..rows {
                 let m = row_max[r0 + r];
                 let src = &codes[(r0 + r) * inp + k0..][..kc];
                 for (d, &c) in dst[r * ld..][..kc].iter_mut().zip(src) {
-                    *d = accel_bigmodel::quant::int8_value(c as i8, m);
+                    *d = compute.round(accel_bigmodel::quant::int8_value(c as i8, m));
                 }
             }
         }
@@ -68,28 +70,37 @@ pub(super) fn tile(
 }
 
 /// The values of flattened elements `e0..e0 + out.len()` of one block
-/// (scale `s`): pairs of codes a byte, the even element in the high nibble.
+/// (scale `s`): pairs of codes a byte, the even element in the high nibble,
+/// each `code * s` then `round`ed (`exact`: no rounding at all, which takes
+/// the vector form).
 #[inline(always)]
-fn span(packed: &[u8], codes: &[f32; 16], s: f32, store: super::Store, e0: usize, out: &mut [f32]) {
+fn span(
+    packed: &[u8],
+    codes: &[f32; 16],
+    s: f32,
+    (exact, round): (bool, impl Fn(f32) -> f32),
+    e0: usize,
+    out: &mut [f32],
+) {
     let mut i = 0;
     if e0 % 2 == 1 && !out.is_empty() {
-        out[0] = store.round(codes[(packed[e0 / 2] & 15) as usize] * s);
+        out[0] = round(codes[(packed[e0 / 2] & 15) as usize] * s);
         i = 1;
     }
     let pairs = (out.len() - i) / 2;
     let bytes = &packed[(e0 + i) / 2..][..pairs];
-    if store == super::Store::F32 && super::super::raw::quant::span_available() {
+    if exact && super::super::raw::quant::span_available() {
         super::super::raw::quant::span_f32(bytes, codes, s, &mut out[i..i + 2 * pairs]);
     } else {
         for (o, &byte) in out[i..i + 2 * pairs].chunks_exact_mut(2).zip(bytes) {
-            o[0] = store.round(codes[(byte >> 4) as usize] * s);
-            o[1] = store.round(codes[(byte & 15) as usize] * s);
+            o[0] = round(codes[(byte >> 4) as usize] * s);
+            o[1] = round(codes[(byte & 15) as usize] * s);
         }
     }
     i += 2 * pairs;
     if i < out.len() {
         let e = e0 + i;
-        out[i] = store.round(codes[(packed[e / 2] >> 4) as usize] * s);
+        out[i] = round(codes[(packed[e / 2] >> 4) as usize] * s);
     }
 }
 

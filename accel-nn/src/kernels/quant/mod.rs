@@ -91,20 +91,25 @@ impl Store {
 #[derive(Clone, Copy)]
 pub(crate) enum QuantRef<'a> {
     /// 4-bit codes, two a byte (the first of a pair in the high nibble),
-    /// over the flattened weight in blocks of `blocksize`.
+    /// over the flattened weight in blocks of `blocksize`; values rounded to
+    /// `store` (the dtype quantized from), then to `compute` (the dtype the
+    /// products take, as bitsandbytes casts the dequantized weight to it).
     FourBit {
         packed: &'a [u8],
         scales: Scales<'a>,
         codes: &'a [f32; 16],
         blocksize: usize,
         store: Store,
+        compute: Store,
         out: usize,
         inp: usize,
     },
-    /// int8 codes (as bytes) per row, and each row's maximum.
+    /// int8 codes (as bytes) per row, and each row's maximum; values
+    /// rounded to `compute`.
     EightBit {
         codes: &'a [u8],
         row_max: &'a [f32],
+        compute: Store,
         out: usize,
         inp: usize,
     },
@@ -225,7 +230,8 @@ pub(crate) fn backward_input(dy: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
 }
 
 /// The whole weight dequantized, row-major `[out, inp]` (for merging an
-/// adapter, exporting, and the reference the tests compare with).
+/// adapter, exporting, and the reference the tests compare with), rounded
+/// as the view says.
 pub(crate) fn dequantize(w: &QuantRef) -> Vec<f32> {
     let (out, inp) = w.dims();
     par::new_vec(out * inp, TILE_ROWS * inp.max(1), |t, rows| {

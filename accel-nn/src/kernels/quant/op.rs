@@ -70,8 +70,13 @@ impl QuantTensors {
         }
     }
 
-    /// Runs `f` on a view of the host data, checked to hold the whole weight.
-    pub(crate) fn with_ref<R>(&self, f: impl FnOnce(&QuantRef) -> Result<R>) -> Result<R> {
+    /// Runs `f` on a view of the host data, checked to hold the whole
+    /// weight, its values rounded to `compute` (the products' dtype).
+    pub(crate) fn with_ref<R>(
+        &self,
+        compute: Store,
+        f: impl FnOnce(&QuantRef) -> Result<R>,
+    ) -> Result<R> {
         let checked = |w: QuantRef| -> Result<R> {
             if let Err(e) = w.check() {
                 bail!("quantized weight [{}, {}]: {e}", w.dims().0, w.dims().1)
@@ -95,6 +100,7 @@ impl QuantTensors {
                     codes,
                     blocksize: *blocksize,
                     store: *store,
+                    compute,
                     out: *out,
                     inp: *inp,
                 })),
@@ -109,6 +115,7 @@ impl QuantTensors {
                         codes,
                         blocksize: *blocksize,
                         store: *store,
+                        compute,
                         out: *out,
                         inp: *inp,
                     }))
@@ -123,6 +130,7 @@ impl QuantTensors {
                 cpu_slice!(row_max, F32, "SCB", |m| checked(QuantRef::EightBit {
                     codes: c,
                     row_max: m,
+                    compute,
                     out: *out,
                     inp: *inp,
                 }))
@@ -133,7 +141,7 @@ impl QuantTensors {
     /// The weight dequantized on the CPU, `[out, inp]` f32.
     pub(crate) fn dequantize(&self) -> Result<Tensor> {
         let (out, inp) = self.dims();
-        let v = self.with_ref(|w| Ok(super::dequantize(w)))?;
+        let v = self.with_ref(Store::F32, |w| Ok(super::dequantize(w)))?;
         Tensor::from_vec(v, (out, inp), &candle_core::Device::Cpu)
     }
 }
@@ -160,7 +168,10 @@ impl CustomOp1 for QuantLinearOp {
             bail!("quantized linear: x is [{n}, {inp}] but the weight is [{out}, {w_in}]")
         }
         let xs = as_f32(s, l)?;
-        let y = self.w.with_ref(|w| Ok(super::forward(&xs, n, w)))?;
+        let compute = Store::of(s.dtype());
+        let y = self
+            .w
+            .with_ref(compute, |w| Ok(super::forward(&xs, n, w)))?;
         Ok((from_f32(y, s.dtype())?, Shape::from((n, out))))
     }
 
@@ -169,8 +180,10 @@ impl CustomOp1 for QuantLinearOp {
             return Ok(None);
         }
         let (n, inp) = x.dims2()?;
+        let compute = Store::of(x.dtype());
         let dx = with_f32(grad, |dy| {
-            self.w.with_ref(|w| Ok(super::backward_input(dy, n, w)))
+            self.w
+                .with_ref(compute, |w| Ok(super::backward_input(dy, n, w)))
         })?;
         Ok(Some(tensor_from_f32(dx, (n, inp), x.dtype())?))
     }

@@ -55,12 +55,14 @@ impl Owned {
                 codes: p.state.quant_type.codes(),
                 blocksize: p.state.blocksize,
                 store: *store,
+                compute: Store::F32,
                 out: p.state.shape[0],
                 inp: p.state.shape[1],
             },
             Self::Eight(codes, row_max) => QuantRef::EightBit {
                 codes,
                 row_max,
+                compute: Store::F32,
                 out: row_max.len(),
                 inp: codes.len() / row_max.len().max(1),
             },
@@ -228,6 +230,7 @@ fn a_truncated_weight_is_refused_before_any_read() {
         codes,
         blocksize: 64,
         store: Store::F32,
+        compute: Store::F32,
         out: 8,
         inp: 64,
     };
