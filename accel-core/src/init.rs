@@ -139,17 +139,23 @@ impl SeededBackend {
             // A new adapter on a pretrained model: drawn as PEFT inits it.
             return draw();
         }
-        let Some(at) = source.locate(name) else {
+        // The shape it is served in: a quantized weight's parts (quantized on
+        // load) have theirs, not the full-precision weight's.
+        let Some(got) = source.shape_of(name, Some(dtype)) else {
             candle_core::bail!(
                 "parameter `{name}` is not in the checkpoint {}",
                 source.checkpoint().display()
             )
         };
-        if at.shape() != shape.dims() {
+        if got != shape.dims() {
+            let file = source
+                .locate(name)
+                .map_or(source.checkpoint().to_path_buf(), |at| {
+                    at.file.to_path_buf()
+                });
             candle_core::bail!(
-                "{}: tensor `{name}` has shape {:?}, the model's parameter {:?}",
-                at.file.display(),
-                at.shape(),
+                "{}: tensor `{name}` has shape {got:?}, the model's parameter {:?}",
+                file.display(),
                 shape.dims()
             )
         }
@@ -258,6 +264,13 @@ impl Pieces {
             }
             return placeholder(s, dtype, dev);
         }
+        if !dtype.is_float() {
+            candle_core::bail!(
+                "parameter `{name}` is {dtype:?}, a quantized weight's part: FSDP does not shard \
+                 quantized weights yet; train the adapters with DDP (distributed_type \
+                 MULTI_CPU/MULTI_GPU) or in one process"
+            )
+        }
         // Every rank draws the same full values (seed and name only, or the
         // checkpoint), so the pieces are exactly those a replicated run
         // would start from.
@@ -286,12 +299,16 @@ impl SimpleBackend for SeededBackend {
         }
     }
 
-    fn get_unchecked(
-        &self,
-        name: &str,
-        _dtype: DType,
-        _dev: &Device,
-    ) -> candle_core::Result<Tensor> {
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        // A tensor that describes others (a quantized weight's JSON state,
+        // its code book), read as the checkpoint holds it; asked for again
+        // with its shape, it becomes a frozen parameter like its weight.
+        if let Some(from) = self.from.as_ref().filter(|f| f.source.contains(name)) {
+            return from
+                .source
+                .tensor(name, dev, Some(dtype))
+                .map_err(candle_core::Error::wrap);
+        }
         match self.keep {
             Keep::Full(_) => candle_core::bail!(
                 "parameter `{name}`: a seeded var builder needs a shape and an init"
@@ -303,6 +320,12 @@ impl SimpleBackend for SeededBackend {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
+        // What the checkpoint holds, so a model that probes for optional
+        // parts (a quantized weight's state, BERT's pooler, GPT-2's prefix)
+        // builds the variant the checkpoint has.
+        if self.from.as_ref().is_some_and(|f| f.source.contains(name)) {
+            return true;
+        }
         match &self.keep {
             Keep::Full(full) => full
                 .varmap

@@ -39,6 +39,7 @@ pub fn run(
     args: &Args,
     cfg: &ModelConfig,
     lora: Option<&LoraSpec>,
+    quantize: Option<accel_core::bigmodel::quant::QuantizeOnLoad>,
     config: AcceleratorConfig,
     out: &mut dyn Write,
 ) -> Result<()> {
@@ -76,6 +77,7 @@ pub fn run(
         cfg,
         &args.model,
         lora,
+        quantize,
         args.gradient_checkpointing,
     )?;
     let mut opt = acc.prepare_optimizer(

@@ -14,6 +14,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use accel_core::bigmodel::lora::{adapter_module, LoraConfig, LoraTargets, LORA_A};
+use accel_core::bigmodel::quant::{quant_state_name, QuantType};
 use accel_core::dist::ReduceOp;
 use accel_core::fsdp::FullyShardedDataParallelPlugin;
 use accel_core::models::{AutoModel, ModelConfig};
@@ -106,6 +107,9 @@ pub struct Args {
     /// so at start-up and trains eagerly.
     #[arg(long)]
     pub cuda_graphs: bool,
+    /// The base's linear layers quantized as they load (QLoRA with `--lora-r`).
+    #[command(flatten)]
+    pub quant: crate::hf::QuantFlags,
 }
 
 impl Args {
@@ -242,6 +246,10 @@ fn parameter_counts(params: &PreparedModel, dir: &Path) -> Result<(usize, usize)
     let (mut trainable, mut all) = (0, 0);
     let lora_r = params.adapter_config().map_or(0, |c| c.r);
     for name in params.names() {
+        if accel_core::bigmodel::quant::is_quant_part(&name) {
+            // A quantized weight's state: no parameter of the model.
+            continue;
+        }
         if let Some(module) = adapter_module(&name) {
             // A new adapter is not in the checkpoint: r * (in + out) per pair,
             // counted at its A (either orientation of the base weight).
@@ -259,13 +267,25 @@ fn parameter_counts(params: &PreparedModel, dir: &Path) -> Result<(usize, usize)
         let at = source
             .locate(&name)
             .with_context(|| format!("{}: no tensor `{name}`", dir.display()))?;
-        let n: usize = at.shape().iter().product();
+        let mut n: usize = at.shape().iter().product();
+        if at.dtype() == Some(DType::U8) && is_4bit(&source, &name) {
+            // Packed 4-bit codes, two a byte: PEFT counts the weight's own
+            // elements (`numel * 2` for a Params4bit).
+            n *= 2;
+        }
         all += n;
         if !frozen.contains(&name) {
             trainable += n;
         }
     }
     Ok((trainable, all))
+}
+
+/// Whether the checkpoint's `name` is the packed codes of a 4-bit weight.
+fn is_4bit(source: &accel_core::bigmodel::CheckpointSource, name: &str) -> bool {
+    [QuantType::Nf4, QuantType::Fp4]
+        .iter()
+        .any(|q| source.contains(&format!("{name}.{}", quant_state_name(*q))))
 }
 
 /// Vocabulary size of a decoder config; BERT is refused.
@@ -286,18 +306,47 @@ fn build(cfg: &ModelConfig, vb: candle_nn::VarBuilder) -> accel_core::Result<Aut
     Ok(AutoModel::new(cfg, vb)?)
 }
 
+/// The quantization `args` ask for, set on `cfg` with the on-load
+/// quantization of its checkpoint (`None` for a folder saved quantized, whose
+/// parts load as they are). A quantized base trains adapters only.
+///
+/// # Errors
+/// Bad quantization flags; a quantized base without `--lora-r`.
+pub(crate) fn quantization(
+    args: &Args,
+    cfg: &mut ModelConfig,
+) -> Result<Option<accel_core::bigmodel::quant::QuantizeOnLoad>> {
+    let on_load = match args.quant.config()? {
+        Some(q) => {
+            cfg.set_quantization(q);
+            cfg.quantize_on_load()?
+        }
+        None => None,
+    };
+    if cfg.quantization().is_some() && args.lora_r.is_none() {
+        bail!(
+            "{}: a quantized base cannot be fine-tuned itself (transformers refuses the same): \
+             add --lora-r to train LoRA adapters on it (QLoRA)",
+            args.model.display()
+        );
+    }
+    Ok(on_load)
+}
+
 /// Builds the model as the run trains (plain, DDP or FSDP), its parameters
-/// starting from the folder's weights (LoRA adapters on them with `lora`;
-/// each decoder layer recomputed in backward with `checkpointing`), and
-/// returns it with its parameters and the `sharding` value of the setup line.
+/// starting from the folder's weights (LoRA adapters on them with `lora`,
+/// the base quantized as it loads with `quantize`; each decoder layer
+/// recomputed in backward with `checkpointing`), and returns it with its
+/// parameters and the `sharding` value of the setup line.
 pub(crate) fn prepare_model(
     acc: &mut Accelerator,
     cfg: &ModelConfig,
     dir: &Path,
     lora: Option<&LoraSpec>,
+    quantize: Option<accel_core::bigmodel::quant::QuantizeOnLoad>,
     checkpointing: bool,
 ) -> Result<(AutoModel, PreparedModel, Value)> {
-    let (model, params, sharding) = prepare_unchecked(acc, cfg, dir, lora)?;
+    let (model, params, sharding) = prepare_unchecked(acc, cfg, dir, lora, quantize)?;
     if checkpointing && acc.config().fsdp.is_none() {
         // Under FSDP the units checkpoint themselves (the plugin's setting).
         apply_activation_checkpointing(&model, &[model.layer_class()])?;
@@ -311,11 +360,12 @@ fn prepare_unchecked(
     cfg: &ModelConfig,
     dir: &Path,
     lora: Option<&LoraSpec>,
+    quantize: Option<accel_core::bigmodel::quant::QuantizeOnLoad>,
 ) -> Result<(AutoModel, PreparedModel, Value)> {
     let loading = || format!("loading the weights of {}", dir.display());
     if let Some(spec) = lora {
         let (model, params) = acc
-            .prepare_lora(dir, spec, |vb| build(cfg, vb))
+            .prepare_lora_quantized(dir, spec, quantize, |vb| build(cfg, vb))
             .with_context(loading)?;
         let sharding = acc.config().fsdp.as_ref().map_or(
             Value::Null,
@@ -349,6 +399,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
     let mut cfg = accel_core::models::ModelConfig::from_path(&args.model)?;
     let vocab = decoder_vocab(&cfg, &args.model)?;
     let lora = args.lora(&mut cfg)?;
+    let quantize = quantization(args, &mut cfg)?;
     let mut config = AcceleratorConfig {
         // Unset: Accelerator::new takes the launcher's precision, then `no`.
         mixed_precision: args.mixed_precision,
@@ -361,7 +412,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
             .map(|p| p.with_activation_checkpointing(true));
     }
     let Some(data_ids) = &args.data_ids else {
-        return crate::finetune_data::run(args, &cfg, lora.as_ref(), config, out);
+        return crate::finetune_data::run(args, &cfg, lora.as_ref(), quantize, config, out);
     };
     let batch = read_batch(data_ids, vocab)?;
     let mut acc = Accelerator::new(config)?;
@@ -371,6 +422,7 @@ pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
         &cfg,
         &args.model,
         lora.as_ref(),
+        quantize,
         args.gradient_checkpointing,
     )?;
     let mut opt = acc.prepare_optimizer(

@@ -172,3 +172,177 @@ fn a_peft_adapter_on_the_four_bit_base_gives_peft_s_logits() {
     let d = max_diff(&logits(&model, &ids(&r)), &rows(&r["logits"]));
     assert!(d < 1e-3, "saved base: {d}");
 }
+
+const WORKER: &str = env!("CARGO_BIN_EXE_finetune_hf_worker");
+const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
+
+/// The 4-bit fixture with a tokenizer and a JSON Lines file in a temp dir.
+fn qlora_model() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("llama").join(f), dir.path().join(f)).unwrap();
+    }
+    let tok = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/hf/llama/tokenizer.json");
+    std::fs::copy(tok, dir.path().join("tokenizer.json")).unwrap();
+    let words = [
+        "the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "it",
+    ];
+    let lines: Vec<String> = (0..48)
+        .map(|i| {
+            let text: Vec<&str> = (0..20)
+                .map(|j| words[(i * 7 + j * 3) % words.len()])
+                .collect();
+            serde_json::json!({ "text": text.join(" ") }).to_string()
+        })
+        .collect();
+    std::fs::write(dir.path().join("train.jsonl"), lines.join("\n")).unwrap();
+    let path = dir.path().to_path_buf();
+    (dir, path)
+}
+
+const QLORA: [&str; 11] = [
+    "--load-in-4bit",
+    "--bnb-4bit-quant-type",
+    "nf4",
+    "--bnb-4bit-use-double-quant",
+    "--bnb-4bit-compute-dtype",
+    "float32",
+    "--lora-r",
+    "8",
+    "--lora-alpha",
+    "16",
+    "--json",
+];
+
+/// `finetune_hf`'s QLoRA command line: PEFT's parameter counts, a falling
+/// loss, a PEFT adapter folder whose logits on the 4-bit base move away
+/// from the base's, and the checkpoint left as it was.
+#[test]
+fn qlora_trains_peft_s_adapters_on_the_four_bit_base() {
+    let (_tmp, dir) = qlora_model();
+    let before = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let out = dir.join("out");
+    let mut cmd = std::process::Command::new(WORKER);
+    cmd.arg("--model")
+        .arg(&dir)
+        .arg("--data")
+        .arg(dir.join("train.jsonl"));
+    cmd.args([
+        "--seq-len",
+        "32",
+        "--steps",
+        "20",
+        "--lr",
+        "1e-2",
+        "--lora-target",
+        "q_proj,v_proj",
+    ]);
+    cmd.args(QLORA).arg("--output-dir").arg(&out);
+    let (ok, stdout, stderr) = accel_tests::run_program(cmd, None);
+    assert!(ok, "{stderr}");
+    let (setup, losses) = accel_tests::parse_run(&stdout);
+    let peft = reference(&fixture("qlora-adapter"));
+    assert_eq!(
+        setup["trainable_parameters"],
+        peft["trainable_parameters_r8"]
+    );
+    assert_eq!(setup["all_parameters"], peft["all_parameters_r8"]);
+    assert_eq!(losses.len(), 20);
+    assert!(losses[19] < 0.9 * losses[0], "{losses:?}");
+    assert_eq!(
+        before,
+        std::fs::read(dir.join("model.safetensors")).unwrap()
+    );
+    let q = four_bit(QuantType::Nf4, true, DType::F32);
+    let r = reference(&fixture("llama"));
+    let base = logits(
+        &AutoModel::load_quantized(&dir, Some(&q), None, DType::F32, &Device::Cpu).unwrap(),
+        &ids(&r),
+    );
+    assert!(max_diff(&base, &rows(&r["4bit_nf4_dq"])) < 1e-3);
+    let tuned =
+        AutoModel::load_quantized(&dir, Some(&q), Some(&out), DType::F32, &Device::Cpu).unwrap();
+    assert!(
+        max_diff(&logits(&tuned, &ids(&r)), &base) > 1e-2,
+        "the adapter changed nothing"
+    );
+}
+
+/// Data-parallel QLoRA: two ranks print the one-process losses.
+#[test]
+fn qlora_at_two_ranks_gives_the_one_rank_losses() {
+    let (_tmp, dir) = qlora_model();
+    let data = dir.join("ids.json");
+    let batch = serde_json::json!([[1, 40, 212, 7, 9, 30], [3, 5, 8, 13, 21, 34]]);
+    std::fs::write(&data, batch.to_string()).unwrap();
+    let args = |cmd: &mut std::process::Command| {
+        cmd.arg("--model").arg(&dir).arg("--data-ids").arg(&data);
+        cmd.args(["--steps", "4", "--lr", "1e-2"]).args(QLORA);
+    };
+    let mut one = std::process::Command::new(WORKER);
+    args(&mut one);
+    let (ok, out, err) = accel_tests::run_program(one, None);
+    assert!(ok, "{err}");
+    let (_, single) = accel_tests::parse_run(&out);
+    let mut two = std::process::Command::new(LAUNCH);
+    two.args(["launch", "--num_processes", "2", "--cpu"])
+        .arg(WORKER);
+    args(&mut two);
+    let (ok, out, err) = accel_tests::run_program(two, None);
+    assert!(ok, "{err}\n{out}");
+    let (setup, double) = accel_tests::parse_run(&out);
+    assert_eq!(setup["world_size"], 2);
+    assert!(single[3] < single[0]);
+    for (a, b) in single.iter().zip(&double) {
+        assert!((a - b).abs() < 1e-5, "{single:?} vs {double:?}");
+    }
+}
+
+/// A quantized base without adapters, both widths at once, and bad values
+/// are refused by name.
+#[test]
+fn bad_quantization_flags_are_named() {
+    let (_tmp, dir) = qlora_model();
+    let data = dir.join("train.jsonl");
+    for (extra, want) in [
+        (vec!["--load-in-4bit"], "--lora-r"),
+        (
+            vec!["--load-in-4bit", "--load-in-8bit", "--lora-r", "4"],
+            "--load-in-8bit",
+        ),
+        (
+            vec![
+                "--load-in-4bit",
+                "--bnb-4bit-quant-type",
+                "int4",
+                "--lora-r",
+                "4",
+            ],
+            "--bnb-4bit-quant-type",
+        ),
+        (
+            vec![
+                "--load-in-4bit",
+                "--bnb-4bit-compute-dtype",
+                "int8",
+                "--lora-r",
+                "4",
+            ],
+            "--bnb-4bit-compute-dtype",
+        ),
+        (
+            vec!["--bnb-4bit-use-double-quant", "--lora-r", "4"],
+            "--load-in-4bit",
+        ),
+    ] {
+        let mut cmd = std::process::Command::new(WORKER);
+        cmd.arg("--model")
+            .arg(&dir)
+            .arg("--data")
+            .arg(&data)
+            .args(["--steps", "1"])
+            .args(&extra);
+        let (ok, _, err) = accel_tests::run_program(cmd, None);
+        assert!(!ok && err.contains(want), "{extra:?}: {err}");
+    }
+}

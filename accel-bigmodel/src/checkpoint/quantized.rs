@@ -21,7 +21,7 @@ impl CheckpointSource {
     /// says how it loads), or an adapter merged into weights that would be
     /// quantized after the merge (PEFT keeps a 4-bit base unmerged).
     pub fn with_quantization(mut self, quantize: QuantizeOnLoad) -> Result<Self> {
-        if let Some(name) = self.names().find(|n| is_quantized_part(n)) {
+        if let Some(name) = self.names().find(|n| crate::quant::is_quant_part(n)) {
             return Err(Error::BadQuantConfig {
                 key: "load_in_4bit / load_in_8bit".into(),
                 reason: format!(
@@ -101,13 +101,6 @@ impl CheckpointSource {
         }
         Some(self.locate(name)?.shape().to_vec())
     }
-}
-
-/// Whether a checkpoint tensor name is a part only a quantized checkpoint has.
-fn is_quantized_part(name: &str) -> bool {
-    use crate::quant::names;
-    name.contains(&format!(".weight.{}", names::QUANT_STATE_PREFIX))
-        || name.ends_with(&format!(".{}", names::SCB))
 }
 
 /// A tensor of the signed 8-bit dtype candle lacks, as its bytes in a u8

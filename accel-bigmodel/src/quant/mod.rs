@@ -34,8 +34,8 @@ pub use config::{parse_compute_dtype, BnbQuantizationConfig, QuantMethod};
 pub use int8::{int8_dequant, int8_value, int8_vectorwise_quant, quantize_int8_weight, Int8Rows};
 pub use on_load::{QuantizeOnLoad, Quantized};
 pub use state::{
-    dtype_from_torch, names, python_float_repr, quant_state_name, torch_dtype_name, Packed4bit,
-    State4bit,
+    dtype_from_torch, is_quant_part, names, python_float_repr, quant_state_name, torch_dtype_name,
+    Packed4bit, State4bit,
 };
 
 /// Values per 4-bit block, as transformers quantizes (bitsandbytes' default).

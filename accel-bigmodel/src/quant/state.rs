@@ -199,6 +199,22 @@ impl Packed4bit {
     }
 }
 
+/// Whether `name` is a part of a quantized weight other than its codes
+/// (`*.weight.absmax`, `*.weight.quant_state.*`, `*.SCB`, ...): tensors a
+/// quantized checkpoint holds that are no parameter of the original model.
+pub fn is_quant_part(name: &str) -> bool {
+    let four = [
+        names::ABSMAX,
+        names::QUANT_MAP,
+        names::NESTED_ABSMAX,
+        names::NESTED_QUANT_MAP,
+    ];
+    four.iter().any(|p| name.ends_with(&format!(".weight.{p}")))
+        || name.contains(&format!(".weight.{}", names::QUANT_STATE_PREFIX))
+        || name.ends_with(&format!(".{}", names::SCB))
+        || name.ends_with(&format!(".{}", names::WEIGHT_FORMAT))
+}
+
 /// The suffix of the JSON state tensor of `quant_type`, after `weight.`.
 pub fn quant_state_name(quant_type: QuantType) -> String {
     format!("{}{}", names::QUANT_STATE_PREFIX, quant_type.name())

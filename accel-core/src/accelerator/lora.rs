@@ -35,12 +35,38 @@ impl Accelerator {
         lora: &LoraSpec,
         build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
     ) -> Result<(M, PreparedModel)> {
+        self.prepare_lora_quantized(checkpoint, lora, None, build)
+    }
+
+    /// QLoRA: [`Accelerator::prepare_lora`] on a base whose linear layers are
+    /// quantized as `quantize` says while it loads, each weight read,
+    /// quantized and dropped in turn (build the model from a config given
+    /// the same settings, `ModelConfig::set_quantization`, whose
+    /// `quantize_on_load` makes `quantize`). A checkpoint saved quantized
+    /// needs no `quantize`: its parts load as they are. The quantized base is
+    /// frozen like any base, in its 4 or 8 bits; the adapters train.
+    ///
+    /// # Errors
+    /// Those of [`Accelerator::prepare_lora`]; a checkpoint already
+    /// quantized; a sharded (FSDP) run, which does not shard quantized
+    /// weights yet.
+    pub fn prepare_lora_quantized<M: Model, E: Into<Error>>(
+        &mut self,
+        checkpoint: impl AsRef<Path>,
+        lora: &LoraSpec,
+        quantize: Option<accel_bigmodel::quant::QuantizeOnLoad>,
+        build: impl FnOnce(VarBuilder<'static>) -> std::result::Result<M, E>,
+    ) -> Result<(M, PreparedModel)> {
         let config = lora.config();
         config.validate().map_err(|reason| Error::Config {
             key: "lora".into(),
             reason,
         })?;
-        let from = Arc::new(Pretrained::open(checkpoint.as_ref())?);
+        let mut from = Pretrained::open(checkpoint.as_ref())?;
+        if let Some(q) = quantize {
+            from.source = from.source.with_quantization(q)?;
+        }
+        let from = Arc::new(from);
         let frozen: FrozenFn = Arc::new(|name: &str| !is_adapter_weight(name));
         let (model, params) = self.prepare_from(Some(from.clone()), Some(frozen), build)?;
         if !params.names().iter().any(|n| is_adapter_weight(n)) {

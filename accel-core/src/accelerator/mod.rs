@@ -321,6 +321,20 @@ impl Accelerator {
         let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         drop(data);
         named.sort_by(|a, b| a.0.cmp(&b.0));
+        if let Some((name, var)) = named
+            .iter()
+            .find(|(n, v)| !frozen(n) && !v.dtype().is_float())
+        {
+            return Err(Error::Config {
+                key: "trainable parameters".into(),
+                reason: format!(
+                    "`{name}` is a quantized weight ({:?}), which cannot be trained: train LoRA \
+                     adapters on the frozen quantized base instead (prepare_lora; finetune_hf \
+                     --lora-r), as transformers refuses to fine-tune a purely quantized model",
+                    var.dtype()
+                ),
+            });
+        }
         let mut masters_drawn = self.masters.lock().unwrap_or_else(|e| e.into_inner());
         let (mut names, mut vars, mut masters) = (vec![], vec![], vec![]);
         for (name, var) in named {
