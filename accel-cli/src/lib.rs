@@ -7,10 +7,11 @@
 //!
 //! [`Cli`] is the whole command line and [`Command`] its subcommands, each
 //! with its flags struct ([`LaunchArgs`], [`ConfigArgs`], [`EnvArgs`],
-//! [`EstimateArgs`], [`DeviceMapArgs`], [`MergeWeightsArgs`], [`MergeLoraArgs`]) and the
+//! [`EstimateArgs`], [`DeviceMapArgs`], [`MergeWeightsArgs`], [`MergeLoraArgs`],
+//! [`QuantizeArgs`]) and the
 //! function the binary calls with it ([`launch`], [`config_command`],
 //! [`env_report`], [`estimate_memory`], [`device_map`], [`merge_weights`],
-//! [`merge_lora`]);
+//! [`merge_lora`], [`quantize`]);
 //! [`config_file`] reads and writes Accelerate's `default_config.yaml`. Tests
 //! and other programs call these functions directly:
 //!
@@ -38,6 +39,7 @@ mod env_cmd;
 mod estimate_cmd;
 mod launch_cmd;
 mod merge_cmd;
+mod quantize_cmd;
 
 pub use config_cmd::{ask_config, config_command, ConfigArgs, ConfigCommand, ConfigDefaultArgs};
 pub use device_map_cmd::{device_map, read_model_tree, DeviceMapArgs};
@@ -45,6 +47,7 @@ pub use env_cmd::{env_report, EnvArgs};
 pub use estimate_cmd::{convert_bytes, estimate_memory, estimate_rows, EstimateArgs, EstimateRow};
 pub use launch_cmd::{launch, LaunchArgs};
 pub use merge_cmd::{merge_lora, merge_weights, MergeLoraArgs, MergeWeightsArgs};
+pub use quantize_cmd::{quantize, QuantFlags, QuantizeArgs};
 
 use clap::{Parser, Subcommand};
 
@@ -78,4 +81,6 @@ pub enum Command {
     MergeWeights(MergeWeightsArgs),
     /// Merge a PEFT LoRA adapter into its base model's weights (PEFT's `merge_and_unload`).
     MergeLora(MergeLoraArgs),
+    /// Write a model quantized in 4 or 8 bits as transformers saves one (bitsandbytes' format).
+    Quantize(QuantizeArgs),
 }

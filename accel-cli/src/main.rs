@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use accel_cli::{
     config_command, device_map, env_report, estimate_memory, launch, merge_lora, merge_weights,
-    Cli, Command,
+    quantize, Cli, Command,
 };
 use clap::Parser;
 
@@ -29,6 +29,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::MergeLora(args) => {
             for path in merge_lora(&args)? {
+                println!("wrote {}", path.display());
+            }
+        }
+        Command::Quantize(args) => {
+            for path in quantize(&args)? {
                 println!("wrote {}", path.display());
             }
         }

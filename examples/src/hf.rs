@@ -5,7 +5,6 @@
 
 use std::path::{Path, PathBuf};
 
-use accel_core::bigmodel::quant::{parse_compute_dtype, BnbQuantizationConfig, QuantType};
 use accel_core::bigmodel::{DeviceMap, MemorySize, Placement, PlanOptions};
 use accel_core::models::AutoModel;
 use accel_core::nn::{DeviceMapChoice, LoadDispatchOptions};
@@ -35,55 +34,7 @@ pub struct Placing {
     pub quant: QuantFlags,
 }
 
-/// Loading the linear layers quantized, with transformers' `BitsAndBytesConfig`
-/// settings (the flags `hf_logits`, `generate` and `finetune_hf` share).
-#[derive(Debug, Clone, Default, clap::Args)]
-pub struct QuantFlags {
-    /// Load the linear layers in 4 bits (bitsandbytes' blocks of 64), as
-    /// BitsAndBytesConfig(load_in_4bit=True).
-    #[arg(long, conflicts_with = "load_in_8bit")]
-    pub load_in_4bit: bool,
-    /// Load the linear layers in 8 bits (LLM.int8's int8 rows), as
-    /// BitsAndBytesConfig(load_in_8bit=True).
-    #[arg(long)]
-    pub load_in_8bit: bool,
-    /// The 4-bit data type: nf4 or fp4 [default: fp4, as transformers].
-    #[arg(long, requires = "load_in_4bit")]
-    pub bnb_4bit_quant_type: Option<String>,
-    /// Quantize the 4-bit blocks' maxima again (8 bits, blocks of 256).
-    #[arg(long, requires = "load_in_4bit")]
-    pub bnb_4bit_use_double_quant: bool,
-    /// The dtype 4-bit layers multiply in: float32, bfloat16 or float16 [default: float32].
-    #[arg(long, requires = "load_in_4bit")]
-    pub bnb_4bit_compute_dtype: Option<String>,
-}
-
-impl QuantFlags {
-    /// The settings the flags ask for, `None` without `--load-in-*`.
-    ///
-    /// # Errors
-    /// A quant type or compute dtype that does not exist, naming the flag.
-    pub fn config(&self) -> Result<Option<BnbQuantizationConfig>> {
-        if self.load_in_8bit {
-            return Ok(Some(BnbQuantizationConfig::eight_bit()));
-        }
-        if !self.load_in_4bit {
-            return Ok(None);
-        }
-        let mut c = BnbQuantizationConfig::four_bit(QuantType::Fp4);
-        if let Some(t) = &self.bnb_4bit_quant_type {
-            c.bnb_4bit_quant_type =
-                QuantType::parse(t).map_err(|e| anyhow::anyhow!("--bnb-4bit-quant-type: {e}"))?;
-        }
-        if let Some(d) = &self.bnb_4bit_compute_dtype {
-            c.bnb_4bit_compute_dtype = parse_compute_dtype(d).with_context(|| {
-                format!("--bnb-4bit-compute-dtype: {d:?} is not float32, bfloat16 or float16")
-            })?;
-        }
-        c.bnb_4bit_use_double_quant = self.bnb_4bit_use_double_quant;
-        Ok(Some(c))
-    }
-}
+pub use accel_cli::QuantFlags;
 
 /// `"cpu=300KB,disk=1GB"` as Accelerate's `max_memory` entries, in order.
 ///

@@ -346,3 +346,115 @@ fn bad_quantization_flags_are_named() {
         assert!(!ok && err.contains(want), "{extra:?}: {err}");
     }
 }
+
+/// `accel quantize` writes what transformers saves for the same model:
+/// every tensor byte-equal (4-bit nf4 with double quantization, and 8-bit
+/// with its int8 weights typed I8), and the same `quantization_config`.
+#[test]
+fn accel_quantize_writes_transformers_folders_byte_for_byte() {
+    use accel_core::bigmodel::safetensors::MmapFile;
+    let tmp = tempfile::tempdir().unwrap();
+    for (flags, theirs) in [
+        (
+            vec![
+                "--load-in-4bit",
+                "--bnb-4bit-quant-type",
+                "nf4",
+                "--bnb-4bit-use-double-quant",
+            ],
+            "llama-nf4-dq",
+        ),
+        (vec!["--load-in-8bit"], "llama-8bit"),
+    ] {
+        let out = tmp.path().join(theirs);
+        let mut argv = vec!["accel", "quantize", "--model"];
+        let model = fixture("llama").display().to_string();
+        let out_s = out.display().to_string();
+        argv.extend([model.as_str(), "--out", out_s.as_str()]);
+        argv.extend(flags);
+        let cli = <accel_cli::Cli as clap::Parser>::try_parse_from(argv).unwrap();
+        let accel_cli::Command::Quantize(args) = cli.command else {
+            unreachable!()
+        };
+        accel_cli::quantize(&args).unwrap();
+        let ours = MmapFile::open(out.join("model.safetensors")).unwrap();
+        let want = MmapFile::open(fixture(theirs).join("model.safetensors")).unwrap();
+        let names = |f: &MmapFile| {
+            let mut n: Vec<String> = f.header().tensors().keys().cloned().collect();
+            n.sort();
+            n
+        };
+        assert_eq!(names(&ours), names(&want), "{theirs}");
+        for name in names(&want) {
+            let (a, b) = (
+                ours.header().get(&name).unwrap(),
+                want.header().get(&name).unwrap(),
+            );
+            assert_eq!(
+                (&a.dtype, &a.shape),
+                (&b.dtype, &b.shape),
+                "{theirs}: {name}"
+            );
+            assert!(
+                ours.bytes(&name) == want.bytes(&name),
+                "{theirs}: {name} differs"
+            );
+        }
+        let cfg = |d: &Path| -> Value {
+            serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
+        };
+        assert_eq!(
+            cfg(&out)["quantization_config"],
+            cfg(&fixture(theirs))["quantization_config"]
+        );
+    }
+}
+
+/// `accel merge-lora` onto a 4-bit base: the weights dequantized with the
+/// update added, written in the compute dtype without quantization_config,
+/// with PEFT's logits of the adapter on that base.
+#[test]
+fn merge_lora_onto_a_four_bit_base_writes_the_dequantized_merged_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("merged");
+    accel_core::model::merge_lora(
+        &fixture("llama-nf4-dq"),
+        &fixture("qlora-adapter"),
+        &out,
+        "5GB",
+    )
+    .unwrap();
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert!(cfg.get("quantization_config").is_none());
+    assert_eq!(cfg["dtype"], "float32");
+    let r = reference(&fixture("qlora-adapter"));
+    let merged = AutoModel::load(&out, DType::F32, &Device::Cpu).unwrap();
+    let d = max_diff(&logits(&merged, &ids(&r)), &rows(&r["logits"]));
+    assert!(d < 1e-3, "{d}");
+}
+
+/// A saved 4-bit folder whose parts disagree with its weight is refused,
+/// naming the tensor.
+#[test]
+fn a_damaged_quantized_folder_names_the_tensor() {
+    use accel_core::checkpoint::{read_safetensors, write_safetensors};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    for f in ["config.json", "generation_config.json"] {
+        std::fs::copy(fixture("llama-nf4-dq").join(f), dir.join(f)).unwrap();
+    }
+    let mut t = read_safetensors(
+        fixture("llama-nf4-dq").join("model.safetensors"),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let name = "model.layers.1.mlp.up_proj.weight.absmax";
+    let short = t[name].narrow(0, 0, 100).unwrap();
+    t.insert(name.to_string(), short);
+    write_safetensors(dir.join("model.safetensors"), &t, None).unwrap();
+    let e = AutoModel::load(dir, DType::F32, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains(name), "{e}");
+}

@@ -37,7 +37,9 @@ pub fn int8_vectorwise_quant(a: &[f32], cols: usize, threshold: f32) -> Int8Rows
     let mut row_max = Vec::with_capacity(rows);
     for row in a.chunks(cols.max(1)) {
         let m = row.iter().fold(0f32, |m, &v| m.max(kept(v).abs()));
-        let scale = 127.0 / m;
+        // `127.0 / row_stats` in torch is `row_stats.reciprocal() * 127.0`
+        // (a Python scalar over a tensor): two roundings, not one.
+        let scale = (1.0 / m) * 127.0;
         codes.extend(row.iter().map(|&v| {
             let q = (kept(v) * scale).round_ties_even();
             // 0 * inf (a row of zeros) is NaN, which torch casts to 0.

@@ -23,6 +23,7 @@ mod config;
 mod int8;
 mod on_load;
 mod state;
+mod stored;
 mod torch_sum;
 
 pub use blockwise::{
@@ -37,6 +38,7 @@ pub use state::{
     dtype_from_torch, is_quant_part, names, python_float_repr, quant_state_name, torch_dtype_name,
     Packed4bit, State4bit,
 };
+pub use stored::dequantize_stored;
 
 /// Values per 4-bit block, as transformers quantizes (bitsandbytes' default).
 pub const BLOCKSIZE: usize = 64;

@@ -37,11 +37,12 @@ pub use atomic::{
 pub(crate) use fs_util::write_bytes_atomic;
 pub use safetensors_io::{
     load_into, load_state_dict, read_json, read_safetensors, read_safetensors_with_metadata,
-    restore_vars, save_state_dict, specs_of, write_json, write_safetensors, TensorSpec,
+    restore_vars, save_state_dict, specs_of, write_json, write_safetensors, write_safetensors_as,
+    TensorSpec,
 };
 pub use shards::{
-    load_model_tensors, load_sharded, parse_size, save_model, save_sharded, ShardPlan,
-    SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
+    load_model_tensors, load_sharded, parse_size, save_model, save_sharded, save_sharded_as,
+    ShardPlan, SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME,
 };
 
 /// The saved state of one checkpointable object: its tensors and everything

@@ -67,11 +67,30 @@ where
     K: AsRef<str>,
     I: IntoIterator<Item = (K, &'a Tensor)>,
 {
+    write_safetensors_as(path, tensors, metadata, &|_| false)
+}
+
+/// [`write_safetensors`], the u8 tensors `int8` names written as `I8`: the
+/// signed bytes candle has no dtype for (LLM.int8 weights, which
+/// transformers reads as int8).
+pub fn write_safetensors_as<'a, K, I>(
+    path: impl AsRef<Path>,
+    tensors: I,
+    metadata: Option<HashMap<String, String>>,
+    int8: &dyn Fn(&str) -> bool,
+) -> Result<()>
+where
+    K: AsRef<str>,
+    I: IntoIterator<Item = (K, &'a Tensor)>,
+{
     let path = path.as_ref();
     let mut raws: BTreeMap<String, Raw> = BTreeMap::new();
     for (name, t) in tensors {
         let name = name.as_ref();
-        let raw = to_raw(path, name, t)?;
+        let mut raw = to_raw(path, name, t)?;
+        if int8(name) {
+            raw.as_int8(path, name)?;
+        }
         if raws.insert(name.to_string(), raw).is_some() {
             return Err(Error::Usage(format!(
                 "{}: tensor name `{name}` given twice",

@@ -16,7 +16,7 @@ use serde::Serialize;
 use accel_bigmodel::CheckpointSource;
 
 use super::fs_util::{python_json, write_bytes_atomic};
-use super::safetensors_io::{read_safetensors, write_safetensors};
+use super::safetensors_io::read_safetensors;
 use super::st_format::file_error;
 use crate::{Error, Result};
 
@@ -156,6 +156,22 @@ where
     K: AsRef<str>,
     I: IntoIterator<Item = (K, &'a Tensor)>,
 {
+    save_sharded_as(dir, stem, tensors, max_shard_size, &|_| false)
+}
+
+/// [`save_sharded`], the u8 tensors `int8` names written as `I8` (see
+/// [`super::write_safetensors_as`]).
+pub fn save_sharded_as<'a, K, I>(
+    dir: impl AsRef<Path>,
+    stem: &str,
+    tensors: I,
+    max_shard_size: u64,
+    int8: &dyn Fn(&str) -> bool,
+) -> Result<Vec<PathBuf>>
+where
+    K: AsRef<str>,
+    I: IntoIterator<Item = (K, &'a Tensor)>,
+{
     let dir = dir.as_ref();
     let mut by_name: BTreeMap<String, &Tensor> = BTreeMap::new();
     let mut order = Vec::new();
@@ -180,7 +196,8 @@ where
     let mut written = Vec::new();
     for (file, names) in &plan.files {
         let path = dir.join(file);
-        write_safetensors(&path, names.iter().map(|n| (n.as_str(), by_name[n])), None)?;
+        let named = names.iter().map(|n| (n.as_str(), by_name[n]));
+        super::write_safetensors_as(&path, named, None, int8)?;
         written.push(path);
     }
     let index_name = format!("{stem}.safetensors.index.json");

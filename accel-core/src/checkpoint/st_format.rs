@@ -54,6 +54,23 @@ impl safetensors::View for &Raw {
     }
 }
 
+impl Raw {
+    /// The same bytes typed `I8` (a u8 tensor holding int8 values).
+    pub(super) fn as_int8(&mut self, path: &Path, name: &str) -> Result<()> {
+        if self.dtype != safetensors::Dtype::U8 {
+            return Err(Error::Safetensors {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "tensor `{name}` is {:?}, not u8 bytes to write as int8",
+                    self.dtype
+                ),
+            });
+        }
+        self.dtype = safetensors::Dtype::I8;
+        Ok(())
+    }
+}
+
 /// Copies a tensor from any device and layout into little-endian bytes.
 pub(super) fn to_raw(path: &Path, name: &str, t: &Tensor) -> Result<Raw> {
     fn le<T, const N: usize>(values: Vec<T>, f: fn(T) -> [u8; N]) -> Vec<u8> {

@@ -94,6 +94,14 @@ pub fn merge_lora(
 ) -> Result<Vec<PathBuf>> {
     let limit = crate::checkpoint::parse_size(max_shard_size)?;
     let adapter = std::sync::Arc::new(accel_bigmodel::lora::LoraAdapter::open(adapter_dir)?);
+    let cfg = crate::checkpoint::read_json(model_dir.join("config.json"))?;
+    if let Some(q) = cfg.get("quantization_config").filter(|q| !q.is_null()) {
+        let q = accel_bigmodel::quant::BnbQuantizationConfig::from_transformers_json(
+            q,
+            &model_dir.join("config.json").display().to_string(),
+        )?;
+        return super::quantize::merge_into_quantized(model_dir, &adapter, &q, cfg, out, limit);
+    }
     let source = accel_bigmodel::CheckpointSource::open(model_dir)?.with_adapter(adapter)?;
     let cpu = candle_core::Device::Cpu;
     let tensors = source

@@ -24,6 +24,7 @@ mod ddp;
 mod grads;
 mod load;
 mod pretrained;
+mod quantize;
 mod reach;
 mod single;
 
@@ -31,6 +32,7 @@ pub use adapter::merge_lora;
 pub(crate) use ddp::Replicated;
 pub(crate) use pretrained::PretrainedSource;
 pub use pretrained::{CARRIED_FILES, TOKENIZER_FILES};
+pub use quantize::quantize_pretrained;
 pub(crate) use single::SingleProcess;
 
 #[derive(Debug)]
