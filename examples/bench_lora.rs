@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench_lora -- --json [--model DIR] [--steps N]
-//!     [--seq-len T] [--batch B] [--mixed-precision bf16|no] [--no-python]
+//!     [--seq-len T] [--batch B] [--mixed-precision bf16|no] [--no-python] [--qlora]
 //! ```
 //! Without `--model`, the checkpoint is `target/bench_llama_2gb`, written by
 //! `scripts/bench_bigmodel_torch.py write` when absent (needs `pip install
@@ -24,6 +24,13 @@
 //!   fp32), `torch.optim.AdamW` over the trainable parameters, as many
 //!   threads as cores (`pip install torch transformers peft`).
 //!
+//! With `--qlora`, two more (Accelerate's `BnbQuantizationConfig` / QLoRA):
+//! - `accel_rs_qlora`: [`Accelerator::prepare_lora_quantized`], the base
+//!   quantized to 4-bit NF4 with double quantization as it loads, compute
+//!   dtype bfloat16 (float32 with `--mixed-precision no`), the same adapters;
+//! - `peft_qlora`: the PEFT script with `--load-in-4bit` (bitsandbytes' same
+//!   settings; `pip install bitsandbytes`).
+//!
 //! Every side trains on the same `B x T` token ids, `(i * 7 + j * 13) % vocab`
 //! at row i, position j: one untimed warm-up step (its loss is `first_loss`),
 //! then `--steps` timed ones (steps/s over them; `last_loss` is the last
@@ -35,6 +42,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use accel_core::bigmodel::lora::{LoraConfig, LoraTargets};
+use accel_core::bigmodel::quant::{
+    is_quant_part, quant_state_name, BnbQuantizationConfig, QuantType,
+};
 use accel_core::models::{AutoModel, ModelConfig};
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
@@ -68,16 +78,33 @@ struct Args {
     /// (everything fp32 on both sides: no AMX or bf16 products anywhere).
     #[arg(long, default_value = "bf16")]
     mixed_precision: PrecisionType,
+    /// Also run QLoRA: the base loaded in 4-bit NF4 with double quantization
+    /// (compute dtype bfloat16 under `--mixed-precision bf16`, else float32),
+    /// ours (`accel_rs_qlora`) and transformers + PEFT + bitsandbytes
+    /// (`peft_qlora`), with the same LoRA settings.
+    #[arg(long)]
+    qlora: bool,
     /// Internal: run one accel-rs side in this process and print its JSON.
     #[arg(long, hide = true, value_enum)]
     child: Option<Side>,
 }
 
-/// The two accel-rs sides.
+/// The accel-rs sides.
 #[derive(Debug, Clone, Copy, PartialEq, ValueEnum)]
 enum Side {
     Lora,
     Full,
+    Qlora,
+}
+
+impl Side {
+    fn name(self) -> &'static str {
+        match self {
+            Side::Lora => "accel_rs_lora",
+            Side::Full => "accel_rs_full",
+            Side::Qlora => "accel_rs_qlora",
+        }
+    }
 }
 
 /// The LoRA settings every side uses (PEFT's names).
@@ -130,13 +157,27 @@ fn child(side: Side, dir: &Path, args: &Args) -> Result<Value> {
     };
     let vocab = llama.vocab_size;
     let lora = match side {
-        Side::Lora => {
+        Side::Lora | Side::Qlora => {
             let targets = LoraTargets::parse(LORA_TARGETS).map_err(anyhow::Error::msg)?;
             let mut config = LoraConfig::new(LORA_R, targets);
             config.alpha = LORA_ALPHA;
             Some(cfg.set_lora(config))
         }
         Side::Full => None,
+    };
+    let quantize = match side {
+        Side::Qlora => {
+            cfg.set_quantization(BnbQuantizationConfig {
+                bnb_4bit_use_double_quant: true,
+                bnb_4bit_compute_dtype: match args.mixed_precision {
+                    PrecisionType::No => DType::F32,
+                    _ => DType::BF16,
+                },
+                ..BnbQuantizationConfig::four_bit(QuantType::Nf4)
+            });
+            cfg.quantize_on_load()?
+        }
+        _ => None,
     };
     let mut acc = Accelerator::new(AcceleratorConfig {
         mixed_precision: Some(args.mixed_precision),
@@ -148,7 +189,7 @@ fn child(side: Side, dir: &Path, args: &Args) -> Result<Value> {
     let (model, params) = match &lora {
         Some(spec) => {
             let prepared = acc
-                .prepare_lora(dir, spec, |vb| build(&cfg, vb))
+                .prepare_lora_quantized(dir, spec, quantize, |vb| build(&cfg, vb))
                 .with_context(loading)?;
             spec.set_training(true);
             prepared
@@ -171,10 +212,17 @@ fn child(side: Side, dir: &Path, args: &Args) -> Result<Value> {
     let frozen: std::collections::HashSet<String> =
         params.frozen_parameters().into_iter().collect();
     let (mut trainable, mut all) = (0, 0);
+    let names: std::collections::HashSet<String> = params.names().into_iter().collect();
     for (name, t) in params.master_weights() {
-        all += t.elem_count();
+        if is_quant_part(&name) {
+            continue;
+        }
+        // Packed 4-bit codes, two a byte: counted as the weight's elements, as PEFT does.
+        let packed = names.contains(&format!("{name}.{}", quant_state_name(QuantType::Nf4)));
+        let n = t.elem_count() * if packed { 2 } else { 1 };
+        all += n;
         if !frozen.contains(&name) {
-            trainable += t.elem_count();
+            trainable += n;
         }
     }
     let ids = Tensor::from_vec(
@@ -251,14 +299,9 @@ fn rust_side(side: Side, dir: &Path, args: &Args) -> Result<Value> {
     cmd.arg("--child").arg(match side {
         Side::Lora => "lora",
         Side::Full => "full",
+        Side::Qlora => "qlora",
     });
-    run_side(
-        &mut cmd,
-        match side {
-            Side::Lora => "accel_rs_lora",
-            Side::Full => "accel_rs_full",
-        },
-    )
+    run_side(&mut cmd, side.name())
 }
 
 /// Why the PEFT side cannot run here, if it cannot: no `python3`, or one
@@ -281,8 +324,8 @@ fn python_missing() -> Option<String> {
     }
 }
 
-/// The PEFT side's JSON, or why it has none.
-fn peft_side(dir: &Path, args: &Args) -> std::result::Result<Value, String> {
+/// The PEFT side's JSON (QLoRA's with `qlora`), or why it has none.
+fn peft_side(dir: &Path, args: &Args, qlora: bool) -> std::result::Result<Value, String> {
     if args.no_python {
         return Err("--no-python".into());
     }
@@ -302,7 +345,10 @@ fn peft_side(dir: &Path, args: &Args) -> std::result::Result<Value, String> {
         PrecisionType::No => "float32",
         _ => "bfloat16",
     });
-    run_side(&mut cmd, "peft").map_err(|e| format!("{e:#}"))
+    if qlora {
+        cmd.arg("--load-in-4bit");
+    }
+    run_side(&mut cmd, if qlora { "peft_qlora" } else { "peft" }).map_err(|e| format!("{e:#}"))
 }
 
 /// The checkpoint folder: `--model`, which must be one, or the default,
@@ -356,7 +402,7 @@ fn main() -> Result<()> {
     }
     let lora = rust_side(Side::Lora, &dir, &args)?;
     let full = rust_side(Side::Full, &dir, &args)?;
-    let peft = peft_side(&dir, &args);
+    let peft = peft_side(&dir, &args, false);
     if let Err(reason) = &peft {
         if !args.no_python {
             eprintln!("bench_lora: the peft side ({PEFT_SCRIPT}) did not run: {reason}");
@@ -383,6 +429,22 @@ fn main() -> Result<()> {
     });
     if let Err(reason) = peft {
         out["peft_skipped"] = json!(reason);
+    }
+    if args.qlora {
+        let qlora = rust_side(Side::Qlora, &dir, &args)?;
+        let peft_q = peft_side(&dir, &args, true);
+        let peft_q_value = peft_q.as_ref().cloned().unwrap_or(Value::Null);
+        out["qlora"] = json!({ "quant_type": "nf4", "double_quant": true, "compute_dtype":
+            if args.mixed_precision == PrecisionType::No { "float32" } else { "bfloat16" } });
+        out["qlora_vs_lora_steps_per_s"] = ratio(&qlora, &lora, "steps_per_s");
+        out["qlora_vs_lora_peak_rss"] = ratio(&qlora, &lora, "peak_rss_mib");
+        out["qlora_vs_peft_qlora_steps_per_s"] = ratio(&qlora, &peft_q_value, "steps_per_s");
+        out["qlora_vs_peft_qlora_peak_rss"] = ratio(&qlora, &peft_q_value, "peak_rss_mib");
+        out["accel_rs_qlora"] = qlora;
+        out["peft_qlora"] = peft_q_value;
+        if let Err(reason) = peft_q {
+            out["peft_qlora_skipped"] = json!(reason);
+        }
     }
     if args.json {
         println!("{out}");

@@ -3,7 +3,10 @@
 transformers + PEFT, the way a Python user writes it today.
 
     python3 scripts/bench_lora_peft.py DIR --steps N --seq-len T --batch B
-        [--r 8] [--alpha 16] [--targets q_proj,v_proj] [--lr 1e-4]
+        [--r 8] [--alpha 16] [--targets q_proj,v_proj] [--lr 1e-4] [--load-in-4bit]
+
+With --load-in-4bit the base is loaded by bitsandbytes in 4-bit NF4 with double
+quantization and the compute dtype --dtype (QLoRA).
 
 The model is loaded in bfloat16 (`dtype=torch.bfloat16`), wrapped by
 `get_peft_model` (PEFT keeps the adapters in fp32: `autocast_adapter_dtype`),
@@ -43,6 +46,12 @@ def main():
     p.add_argument("--targets", default="q_proj,v_proj")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument(
+        "--load-in-4bit",
+        action="store_true",
+        help="QLoRA: the base in 4-bit NF4 with double quantization (bitsandbytes), "
+        "compute dtype --dtype",
+    )
     a = p.parse_args()
 
     from peft import LoraConfig, get_peft_model
@@ -52,7 +61,20 @@ def main():
     threads = len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype))
+    kw = {}
+    if a.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        # prepare_model_for_kbit_training is left out: it turns on gradient
+        # checkpointing, which the Rust side does not use here.
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=getattr(torch, a.dtype),
+        )
+        kw["device_map"] = "cpu"
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype), **kw)
     config = LoraConfig(
         r=a.r,
         lora_alpha=a.alpha,
@@ -114,11 +136,12 @@ def main():
         "peak_rss_train_mib": round(status_mib("VmHWM:"), 1) if train_peak_known else None,
         "load_s": round(load_s, 3),
         "trainable_parameters": sum(q.numel() for q in trainable),
-        "all_parameters": sum(q.numel() for q in model.parameters()),
+        "all_parameters": model.get_nb_trainable_parameters()[1],
         "adapter_dtype": str(trainable[0].dtype).removeprefix("torch."),
         "threads": threads,
         "torch": torch.__version__,
         "peft": __import__("peft").__version__,
+        "bitsandbytes": __import__("bitsandbytes").__version__ if a.load_in_4bit else None,
     }))
 
 

@@ -21,9 +21,8 @@
 use candle_core::DType;
 
 use super::raw::amx::{self, bf16_bits, HalfRef, OutLayout};
-use super::raw::{
-    bf16_tile, bf16_tile_available, gemm_new, par, MatRef, BF16_MR as MR, BF16_NR as NR,
-};
+pub(crate) use super::raw::BF16_MR as MR;
+use super::raw::{bf16_tile, bf16_tile_available, gemm_new, par, MatRef, BF16_NR as NR};
 
 /// Pairs of `k` per block: a packed panel of `b` (128 bytes a pair) is then
 /// 32 KiB, and a task's panels of `a` 56 bytes a pair per row.
@@ -121,7 +120,7 @@ pub(crate) fn product_of(
 
 /// Two values as the instruction's pair: `lo` in the low half.
 #[inline(always)]
-fn pair(lo: f32, hi: f32) -> u32 {
+pub(crate) fn pair(lo: f32, hi: f32) -> u32 {
     u32::from(bf16_bits(lo)) | (u32::from(bf16_bits(hi)) << 16)
 }
 
@@ -140,6 +139,31 @@ pub(crate) fn gemm_new_bf16((m, n, k): (usize, usize, usize), a: MatRef, b: MatR
 /// [`gemm_new_bf16`] on AVX-512 BF16.
 fn avx512_new((m, n, k): (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32> {
     a.check(m, k, "lhs");
+    avx512_new_packed((m, n, k), &|i0, rows, ks| pack_a(&a, i0, rows, ks), b)
+}
+
+/// Packs rows `i0..i0 + rows` and columns `k0..k0 + kc` of a product's left
+/// operand as [`pack_a`] lays them out (`[pairs][MR]` panels of `MR` rows).
+pub(crate) type PackA<'a> = dyn Fn(usize, usize, (usize, usize)) -> Vec<u32> + Sync + 'a;
+
+/// `c [m, n] = a [m, k] @ b [k, n]` with bf16 operands and f32 sums (as
+/// [`gemm_new_bf16`]), the left operand packed by `pack_a`: a caller whose
+/// `a` is not an f32 matrix (a quantized weight, dequantized while packed)
+/// hands its rows over in the microkernel's layout, a task's rows at a time.
+///
+/// # Panics
+/// When the CPU lacks AVX-512 BF16 ([`super::raw::bf16_tile_available`]),
+/// or `b` or a packed panel is out of its slice.
+pub(crate) fn gemm_new_bf16_packed(
+    (m, n, k): (usize, usize, usize),
+    pack_a: &PackA,
+    b: MatRef,
+) -> Vec<f32> {
+    avx512_new_packed((m, n, k), pack_a, b)
+}
+
+/// [`avx512_new`] with the left operand's packer given.
+fn avx512_new_packed((m, n, k): (usize, usize, usize), pack_a: &PackA, b: MatRef) -> Vec<f32> {
     b.check(k, n, "rhs");
     if m == 0 || n == 0 {
         return Vec::new();
@@ -152,7 +176,11 @@ fn avx512_new((m, n, k): (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32
         let bp = pack_b(&b, (k0, kc), n);
         par::chunks_mut(&mut c, MC * n, |t, c| {
             let rows = c.len() / n;
-            let ap = pack_a(&a, t * MC, rows, (k0, kc));
+            let ap = pack_a(t * MC, rows, (k0, kc));
+            assert!(
+                ap.len() >= rows.div_ceil(MR) * pairs * MR,
+                "packed lhs is short"
+            );
             for q in 0..panels {
                 let j0 = q * NR;
                 let bq = &bp[q * pairs * NR..][..pairs * NR];
@@ -169,7 +197,7 @@ fn avx512_new((m, n, k): (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32
 
 /// Consecutive values as pairs: `out[p] = pair(v[2p], v[2p + 1])`, zero
 /// past the end of an odd `v`.
-fn to_pairs(v: &[f32], out: &mut [u32]) {
+pub(crate) fn to_pairs(v: &[f32], out: &mut [u32]) {
     let whole = v.chunks_exact(2);
     let odd = whole.remainder().first().copied();
     for (o, two) in out.iter_mut().zip(whole) {

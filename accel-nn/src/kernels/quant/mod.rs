@@ -11,6 +11,7 @@
 //! For a handful of rows (decoding) the product runs straight off the codes
 //! (`skinny`), reading the weight's bytes once.
 
+mod bf16_products;
 mod dequant;
 mod op;
 mod skinny;

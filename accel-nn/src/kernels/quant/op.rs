@@ -168,10 +168,14 @@ impl CustomOp1 for QuantLinearOp {
             bail!("quantized linear: x is [{n}, {inp}] but the weight is [{out}, {w_in}]")
         }
         let xs = as_f32(s, l)?;
-        let compute = Store::of(s.dtype());
-        let y = self
-            .w
-            .with_ref(compute, |w| Ok(super::forward(&xs, n, w)))?;
+        let y = if bf16_products(s.dtype(), n) {
+            // The packing rounds the weight to bf16, as the compute dtype would.
+            let f = |w: &QuantRef| Ok(super::bf16_products::forward(&xs, n, w));
+            self.w.with_ref(Store::F32, f)?
+        } else {
+            let f = |w: &QuantRef| Ok(super::forward(&xs, n, w));
+            self.w.with_ref(Store::of(s.dtype()), f)?
+        };
         Ok((from_f32(y, s.dtype())?, Shape::from((n, out))))
     }
 
@@ -180,13 +184,24 @@ impl CustomOp1 for QuantLinearOp {
             return Ok(None);
         }
         let (n, inp) = x.dims2()?;
-        let compute = Store::of(x.dtype());
         let dx = with_f32(grad, |dy| {
-            self.w
-                .with_ref(compute, |w| Ok(super::backward_input(dy, n, w)))
+            if bf16_products(x.dtype(), n) {
+                let f = |w: &QuantRef| Ok(super::bf16_products::backward_input(dy, n, w));
+                self.w.with_ref(Store::F32, f)
+            } else {
+                let f = |w: &QuantRef| Ok(super::backward_input(dy, n, w));
+                self.w.with_ref(Store::of(x.dtype()), f)
+            }
         })?;
         Ok(Some(tensor_from_f32(dx, (n, inp), x.dtype())?))
     }
+}
+
+/// Whether products over `n` rows of a `dtype` input take bf16 operands:
+/// bf16 inputs past the skinny form (decoding reads the codes directly), on
+/// a CPU with AVX-512 BF16.
+fn bf16_products(dtype: DType, n: usize) -> bool {
+    dtype == DType::BF16 && n > super::SKINNY_ROWS && super::bf16_products::available()
 }
 
 impl Store {

@@ -236,3 +236,57 @@ fn a_truncated_weight_is_refused_before_any_read() {
     };
     assert!(short.check().unwrap_err().contains("100 packed bytes"));
 }
+
+/// bf16 products: the weight and the input rounded to bf16, summed in f32,
+/// against f64 products on the same rounded values; thread-count free.
+#[test]
+fn bf16_products_multiply_the_bf16_rounded_weight() {
+    if !bf16_products::available() {
+        return; // the op keeps to the f32 products on this CPU (tested above)
+    }
+    let round = |v: f32| half::bf16::from_f32(v).to_f32();
+    for (name, w) in weights() {
+        let v = w.view();
+        let (out, inp) = v.dims();
+        let dense: Vec<f32> = w.reference().into_iter().map(round).collect();
+        let n = 37;
+        let x: Vec<f32> = data(n * inp, 21).into_iter().map(round).collect();
+        let dy: Vec<f32> = data(n * out, 22).into_iter().map(round).collect();
+        let (y, dx) = (
+            bf16_products::forward(&x, n, &v),
+            bf16_products::backward_input(&dy, n, &v),
+        );
+        let tol = |k: usize| 1e-5 * (k as f64).sqrt().max(1.0) * 4.0;
+        for i in 0..n {
+            for o in 0..out {
+                let want: f64 = (0..inp)
+                    .map(|k| f64::from(x[i * inp + k]) * f64::from(dense[o * inp + k]))
+                    .sum();
+                let got = f64::from(y[i * out + o]);
+                assert!(
+                    (got - want).abs() <= tol(inp),
+                    "{name}: y[{i}, {o}] {got} vs {want}"
+                );
+            }
+            for k in 0..inp {
+                let want: f64 = (0..out)
+                    .map(|o| f64::from(dy[i * out + o]) * f64::from(dense[o * inp + k]))
+                    .sum();
+                let got = f64::from(dx[i * inp + k]);
+                assert!(
+                    (got - want).abs() <= tol(out),
+                    "{name}: dx[{i}, {k}] {got} vs {want}"
+                );
+            }
+        }
+    }
+    let w = Owned::four(200, 1100, QuantType::Nf4, true, DType::F32);
+    let v = w.view();
+    let x = data(40 * 1100, 5);
+    let run = || bf16_products::forward(&x, 40, &v);
+    let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+    assert_eq!(
+        bits(par::with_threads(1, run)),
+        bits(par::with_threads(3, run))
+    );
+}
