@@ -262,6 +262,7 @@ impl CheckpointSource {
         let merged = self.adapter.as_ref().filter(|_| !self.adapter_unmerged);
         if let Some(adapter) = merged.filter(|a| a.adapts(name)) {
             let base = self.mapped[i].tensor(name, device)?;
+            self.mapped[i].release(name);
             let merged = adapter.merge(name, base)?;
             return match dtype {
                 Some(dtype) => convert(merged, dtype),
@@ -276,10 +277,14 @@ impl CheckpointSource {
         let file = &self.mapped[i];
         if let (Some(entry), Some(bytes)) = (file.header().get(name), file.bytes(name)) {
             if entry.dtype == "I8" && dtype.is_none_or(|d| d == DType::U8) {
-                return super::quantized::int8_as_u8(bytes, &entry.shape, device);
+                let t = super::quantized::int8_as_u8(bytes, &entry.shape, device)?;
+                file.release(name);
+                return Ok(t);
             }
         }
         let tensor = self.mapped[i].tensor(name, device)?;
+        // A copy now: the file's pages need not stay resident beside it.
+        self.mapped[i].release(name);
         match dtype {
             Some(dtype) => convert(tensor, dtype),
             None => Ok(tensor),

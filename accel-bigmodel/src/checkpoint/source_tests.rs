@@ -192,3 +192,54 @@ fn folders_without_or_with_several_indexes_and_pickles_are_refused() {
         Error::MissingFile { path, .. } if path == nothing
     ));
 }
+
+/// The resident KiB of the mappings of `path` (`/proc/self/smaps`), or
+/// `None` where the kernel does not tell.
+fn mapped_rss_kib(path: &Path) -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let name = path.canonicalize().ok()?.display().to_string();
+    let mut total = 0;
+    let mut inside = false;
+    for line in smaps.lines() {
+        if line.contains('-') && line.split_whitespace().count() >= 5 && !line.ends_with(" kB") {
+            inside = line.ends_with(&name);
+        } else if inside {
+            if let Some(kib) = line.strip_prefix("Rss:") {
+                total += kib
+                    .trim()
+                    .trim_end_matches(" kB")
+                    .trim()
+                    .parse::<u64>()
+                    .ok()?;
+            }
+        }
+    }
+    Some(total)
+}
+
+/// Tensors copied out of a checkpoint (converted to another dtype) leave
+/// none of the file's pages resident: loading never holds a model twice.
+#[test]
+fn converted_tensors_leave_no_file_pages_resident() {
+    let dir = tempfile::tempdir().unwrap();
+    let tensors: Vec<(&str, Tensor)> = ["a", "b", "c", "d"]
+        .into_iter()
+        .map(|n| (n, Tensor::ones((512, 512), DType::F32, &cpu()).unwrap()))
+        .collect();
+    let path = write(&dir.path().join("m.safetensors"), &tensors);
+    let source = CheckpointSource::open(&path).unwrap();
+    let Some(before) = mapped_rss_kib(&path) else {
+        return; // no /proc/self/smaps here
+    };
+    let copies: Vec<Tensor> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|n| source.tensor(n, &cpu(), Some(DType::BF16)).unwrap())
+        .collect();
+    assert_eq!(copies.len(), 4);
+    let after = mapped_rss_kib(&path).unwrap();
+    // 4 MiB were read; at most the header's page may stay.
+    assert!(
+        after <= before.max(8),
+        "{after} KiB of the file stay resident (before: {before})"
+    );
+}

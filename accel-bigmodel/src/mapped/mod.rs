@@ -67,6 +67,29 @@ pub(crate) fn map_read_only(file: &File, path: &Path) -> Result<Mmap> {
     map.map_err(|e| Error::io("memory-mapping", path, e))
 }
 
+/// Drops the pages of `[offset, offset + len)` of a read-only mapping from
+/// the process (`MADV_DONTNEED`, whole pages around the range): a tensor
+/// copied out of a checkpoint stops counting in the resident set, so
+/// reading a model never holds its file's pages as well as the copies. A
+/// later read faults them in again from the page cache, unchanged.
+pub(crate) fn drop_read_pages(map: &Mmap, offset: usize, len: usize) {
+    let page = page_size();
+    let lo = offset / page * page;
+    // memmap2 refuses a hint past the file's end: the last page is given
+    // as its bytes up to the end.
+    let hi = (offset + len).next_multiple_of(page).min(map.len());
+    if hi <= lo {
+        return;
+    }
+    // SAFETY: the mapping is read-only and shared with the file, which
+    // nobody modifies while it is loaded (see `map_read_only`); dropping
+    // its pages only makes later reads fault them in again from the page
+    // cache with the same bytes, so slices borrowed from it stay valid and
+    // unchanged. A refused hint leaves the pages resident, nothing else.
+    #[allow(unsafe_code)]
+    let _ = unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, lo, hi - lo) };
+}
+
 /// How many files can be mapped for tensors at once; a load beyond that
 /// reads the further files into memory.
 const SLOTS: usize = 128;

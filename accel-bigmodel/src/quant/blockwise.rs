@@ -22,6 +22,9 @@ fn block_absmax(values: &[f32], blocksize: usize) -> Vec<f32> {
         .collect()
 }
 
+/// Blocks per parallel task of [`quantize_4bit`].
+const TASK_BLOCKS: usize = 256;
+
 /// bitsandbytes' `quantize_4bit` on the flattened `values`: two codes a byte,
 /// the first value of each pair in the high nibble (an odd count pads a zero
 /// code), and the f32 maximum of each block.
@@ -29,13 +32,14 @@ fn block_absmax(values: &[f32], blocksize: usize) -> Vec<f32> {
 /// A full block is scaled by `1 / absmax` and a short last block divided by
 /// its maximum, both clamped to [-1, 1], as bitsandbytes does; each value
 /// takes the code of the bucket between the sorted codes' midpoints that
-/// holds it (`torch.bucketize`: a value on a midpoint goes below).
+/// holds it (`torch.bucketize`: a value on a midpoint goes below). Runs in
+/// parallel over tasks of whole blocks, each value computed alone, so the
+/// result is the same on any number of threads.
 pub fn quantize_4bit(
     values: &[f32],
     quant_type: QuantType,
     blocksize: usize,
 ) -> (Vec<u8>, Vec<f32>) {
-    let absmax = block_absmax(values, blocksize);
     let sorted = sorted_codes(quant_type);
     let bounds: [f32; 15] = std::array::from_fn(|i| (sorted[i] + sorted[i + 1]) / 2.0);
     let order: [u8; 16] = match quant_type {
@@ -43,18 +47,44 @@ pub fn quantize_4bit(
         QuantType::Fp4 => FP4_ORDER,
     };
     let full = values.len() / blocksize * blocksize;
-    let code = |i: usize| -> u8 {
-        let Some(&v) = values.get(i) else {
-            // The pad of an odd count: bucketize(0.0).
-            return order[bucket(&bounds, 0.0)];
+    // Tasks of whole blocks and an even count of values (a byte never
+    // straddles two tasks; bitsandbytes' block sizes are even).
+    let task = TASK_BLOCKS * blocksize.max(2) / 2 * 2;
+    let tasks = values.len().div_ceil(task).max(1);
+    let parts = std::sync::Mutex::new(vec![None; tasks]);
+    accel_kernels::par::for_each(tasks, |t| {
+        let lo = t * task;
+        let chunk = &values[lo.min(values.len())..(lo + task).min(values.len())];
+        let absmax = block_absmax(chunk, blocksize);
+        let code = |i: usize| -> u8 {
+            let Some(&v) = chunk.get(i) else {
+                // The pad of an odd count: bucketize(0.0).
+                return order[bucket(&bounds, 0.0)];
+            };
+            let am = absmax[i / blocksize].max(1e-38);
+            let scaled = if lo + i < full {
+                v * (1.0 / am)
+            } else {
+                v / am
+            };
+            order[bucket(&bounds, scaled.clamp(-1.0, 1.0))]
         };
-        let am = absmax[i / blocksize].max(1e-38);
-        let scaled = if i < full { v * (1.0 / am) } else { v / am };
-        order[bucket(&bounds, scaled.clamp(-1.0, 1.0))]
-    };
-    let packed = (0..values.len().div_ceil(2))
-        .map(|p| (code(2 * p) << 4) | code(2 * p + 1))
-        .collect();
+        let packed: Vec<u8> = (0..chunk.len().div_ceil(2))
+            .map(|p| (code(2 * p) << 4) | code(2 * p + 1))
+            .collect();
+        parts.lock().unwrap_or_else(|e| e.into_inner())[t] = Some((packed, absmax));
+    });
+    let mut packed = Vec::with_capacity(values.len().div_ceil(2));
+    let mut absmax = Vec::with_capacity(values.len().div_ceil(blocksize.max(1)));
+    for (p, a) in parts
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .flatten()
+    {
+        packed.extend(p);
+        absmax.extend(a);
+    }
     (packed, absmax)
 }
 
@@ -66,9 +96,11 @@ fn sorted_codes(quant_type: QuantType) -> [f32; 16] {
     }
 }
 
-/// `torch.bucketize(v, bounds)`: how many bounds lie strictly below `v`.
+/// `torch.bucketize(v, bounds)`: how many bounds lie strictly below `v`
+/// (the bounds are sorted; counted branch-free, which vectorizes).
+#[inline(always)]
 fn bucket(bounds: &[f32; 15], v: f32) -> usize {
-    bounds.iter().take_while(|&&b| b < v).count()
+    bounds.iter().map(|&b| usize::from(b < v)).sum()
 }
 
 /// The value of 4-bit `code` of `quant_type`.

@@ -76,6 +76,16 @@ impl MmapFile {
         Some(&self.map[range.start as usize..range.end as usize])
     }
 
+    /// Drops the pages of tensor `name` from the process's resident set
+    /// once it was copied out (see [`crate::mapped`]): a load that reads a
+    /// model tensor by tensor then never holds the file as well as the copies.
+    pub fn release(&self, name: &str) {
+        if let Some(range) = self.header.byte_range(name) {
+            let (start, end) = (range.start as usize, range.end as usize);
+            crate::mapped::drop_read_pages(&self.map, start, end - start);
+        }
+    }
+
     /// Materialises a tensor on `device`, in the dtype the file stores.
     ///
     /// # Errors
