@@ -35,19 +35,26 @@ pub(super) fn tile(
             compute,
             ..
         } => {
+            let round = |v: f32| compute.round(store.round(v));
+            let exact = store == Store::F32 && compute == Store::F32;
+            let mut maxima = Vec::new();
             for r in 0..rows {
                 let base = (r0 + r) * inp;
                 let row = &mut dst[r * ld..][..kc];
+                // The maxima of the blocks this row's span touches, at once.
+                let (b0, b1) = (
+                    (base + k0) / blocksize,
+                    (base + k0 + kc).div_ceil(blocksize),
+                );
+                maxima.resize(b1 - b0, 0.0);
+                scales.fill(b0, &mut maxima);
                 let mut k = k0;
                 // One block (or the part of it in the tile) at a time.
                 while k < k0 + kc {
                     let b = (base + k) / blocksize;
                     let end = ((b + 1) * blocksize - base).min(k0 + kc);
-                    let s = scales.get(b);
-                    let round = |v: f32| compute.round(store.round(v));
-                    let exact = store == Store::F32 && compute == Store::F32;
                     let out = &mut row[k - k0..end - k0];
-                    span(packed, codes, s, (exact, round), base + k, out);
+                    span(packed, codes, maxima[b - b0], (exact, round), base + k, out);
                     k = end;
                 }
             }
@@ -107,5 +114,7 @@ fn span(
 /// The f32 maximum of block `b` (for the tests' reference).
 #[cfg(test)]
 pub(super) fn scale(s: &Scales, b: usize) -> f32 {
-    s.get(b)
+    let mut one = [0f32];
+    s.fill(b, &mut one);
+    one[0]
 }

@@ -44,19 +44,22 @@ pub(crate) enum Scales<'a> {
 }
 
 impl Scales<'_> {
-    /// Block `b`'s maximum, as bitsandbytes computes it before dequantizing.
-    #[inline(always)]
-    fn get(&self, b: usize) -> f32 {
+    /// The maxima of blocks `b0..b0 + out.len()` (the match and the code
+    /// book's lookup hoisted out of the loop).
+    pub(crate) fn fill(&self, b0: usize, out: &mut [f32]) {
         match *self {
-            Self::F32(s) => s[b],
+            Self::F32(s) => out.copy_from_slice(&s[b0..b0 + out.len()]),
             Self::Nested {
                 codes,
                 nested,
                 offset,
             } => {
                 let map = dynamic_map();
-                map[codes[b] as usize] * nested[b / accel_bigmodel::quant::NESTED_BLOCKSIZE]
-                    + offset
+                let per = accel_bigmodel::quant::NESTED_BLOCKSIZE;
+                for (i, o) in out.iter_mut().enumerate() {
+                    let b = b0 + i;
+                    *o = map[codes[b] as usize] * nested[b / per] + offset;
+                }
             }
         }
     }

@@ -290,3 +290,50 @@ fn bf16_products_multiply_the_bf16_rounded_weight() {
         bits(par::with_threads(3, run))
     );
 }
+
+/// Decoding straight off the codes with a bf16 compute dtype multiplies the
+/// weight rounded to bf16, as the tiles do.
+#[test]
+fn fused_decoding_rounds_the_weight_to_the_compute_dtype() {
+    let round = |v: f32| half::bf16::from_f32(v).to_f32();
+    for store in [DType::F32, DType::BF16] {
+        let w = Owned::four(130, 256, QuantType::Nf4, true, store);
+        let QuantRef::FourBit {
+            packed,
+            scales,
+            codes,
+            blocksize,
+            store,
+            out,
+            inp,
+            ..
+        } = w.view()
+        else {
+            unreachable!()
+        };
+        let v = QuantRef::FourBit {
+            packed,
+            scales,
+            codes,
+            blocksize,
+            store,
+            compute: Store::Bf16,
+            out,
+            inp,
+        };
+        let dense: Vec<f32> = w.reference().into_iter().map(round).collect();
+        for n in [1, 3] {
+            let x = data(n * inp, 31);
+            let y = forward(&x, n, &v);
+            for i in 0..n {
+                for o in 0..out {
+                    let want: f64 = (0..inp)
+                        .map(|k| f64::from(x[i * inp + k]) * f64::from(dense[o * inp + k]))
+                        .sum();
+                    let got = f64::from(y[i * out + o]);
+                    assert!((got - want).abs() <= 1e-4, "{store:?} {n}: {got} vs {want}");
+                }
+            }
+        }
+    }
+}

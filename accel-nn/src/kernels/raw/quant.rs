@@ -51,6 +51,179 @@ unsafe fn span_avx512(bytes: *const u8, len: usize, codes: &[f32; 16], s: f32, o
     }
 }
 
+/// Whether [`dot_4bit`] runs its AVX-512 form here (else the caller
+/// dequantizes slabs).
+pub(crate) fn dot_available() -> bool {
+    span_available()
+}
+
+/// `yt[r * m + j] = sum_k W[r, k] x[j, k]` for the rows of one slab of a
+/// 4-bit weight, straight off its codes: `codes` holds `rows` rows of
+/// `inp / 2` bytes (two codes a byte, the even element in the high nibble),
+/// `scales` each row's `inp / blocksize` block maxima, `x_even` and `x_odd`
+/// the `m` input rows' even and odd elements (`inp / 2` each, row after
+/// row). Each value is `codes[c] * scale`, rounded to bf16 first when
+/// `round_bf16` (a bf16 compute dtype); the sums are f32, block by block.
+///
+/// # Panics
+/// Without AVX-512 ([`dot_available`]); when a slice is shorter than its
+/// shape says, or `blocksize` is not a multiple of 32 dividing `inp`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dot_4bit(
+    codes: &[u8],
+    scales: &[f32],
+    lut: &[f32; 16],
+    (x_even, x_odd): (&[f32], &[f32]),
+    (rows, m, inp, blocksize): (usize, usize, usize, usize),
+    round_bf16: bool,
+    yt: &mut [f32],
+) {
+    assert!(dot_available(), "dot_4bit: this CPU lacks AVX-512");
+    assert!(
+        blocksize % 32 == 0 && inp % blocksize == 0,
+        "dot_4bit: block size {blocksize} and row length {inp}"
+    );
+    let half = inp / 2;
+    assert!(
+        codes.len() >= rows * half
+            && scales.len() >= rows * (inp / blocksize)
+            && x_even.len() >= m * half
+            && x_odd.len() >= m * half
+            && yt.len() >= rows * m,
+        "dot_4bit: a slice is short for {rows} rows x {inp} and {m} inputs"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F is present (checked);
+    // the kernel reads `codes[..rows * half]`, `scales[..rows * blocks]`,
+    // `x_even`/`x_odd[..m * half]` and writes `yt[..rows * m]`, all checked
+    // above; it reads 16 bytes of codes at offsets that are multiples of 16
+    // below `half` (a block of 32 or more values is 16 or more bytes).
+    unsafe {
+        dot_4bit_avx512(
+            codes.as_ptr(),
+            scales.as_ptr(),
+            lut,
+            (x_even.as_ptr(), x_odd.as_ptr()),
+            (rows, m, inp, blocksize),
+            round_bf16,
+            yt.as_mut_ptr(),
+        )
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_4bit_avx512(
+    codes: *const u8,
+    scales: *const f32,
+    lut: &[f32; 16],
+    x: (*const f32, *const f32),
+    (rows, m, inp, blocksize): (usize, usize, usize, usize),
+    round_bf16: bool,
+    yt: *mut f32,
+) {
+    // Input rows four, two, then one at a time, each count its own
+    // unrolled kernel so that the accumulators stay in registers.
+    let mut j0 = 0;
+    while j0 < m {
+        let shape = (rows, m, inp, blocksize);
+        let args = (codes, scales, lut, x, shape, j0, round_bf16, yt);
+        j0 += match m - j0 {
+            1 => dot_rows::<1>(args),
+            2 | 3 => dot_rows::<2>(args),
+            _ => dot_rows::<4>(args),
+        };
+    }
+}
+
+/// The arguments of [`dot_rows`]: as [`dot_4bit`]'s, and the first input row.
+#[cfg(target_arch = "x86_64")]
+type DotArgs<'a> = (
+    *const u8,
+    *const f32,
+    &'a [f32; 16],
+    (*const f32, *const f32),
+    (usize, usize, usize, usize),
+    usize,
+    bool,
+    *mut f32,
+);
+
+/// [`dot_4bit_avx512`] for input rows `j0..j0 + MT`; returns `MT`.
+///
+/// # Safety
+/// As [`dot_4bit_avx512`], with `j0 + MT <= m`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dot_rows<const MT: usize>(
+    (codes, scales, lut, (x_even, x_odd), (rows, m, inp, blocksize), j0, round_bf16, yt): DotArgs,
+) -> usize {
+    use core::arch::x86_64::*;
+    let lut = _mm512_loadu_ps(lut.as_ptr());
+    let low = _mm512_set1_epi32(15);
+    let half = inp / 2;
+    let blocks = inp / blocksize;
+    // Rounds 16 values to bf16 (to nearest even, as `half` does for
+    // finite values: bits + 0x7fff + the kept lowest bit, truncated) and
+    // back to f32.
+    let round = |v: __m512| -> __m512 {
+        let b = _mm512_castps_si512(v);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+        let r = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+        _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(-65536)))
+    };
+    let xe: [*const f32; MT] = core::array::from_fn(|j| x_even.add((j0 + j) * half));
+    let xo: [*const f32; MT] = core::array::from_fn(|j| x_odd.add((j0 + j) * half));
+    for r in 0..rows {
+        let row = codes.add(r * half);
+        let mut total = [_mm512_setzero_ps(); MT];
+        for b in 0..blocks {
+            let s = _mm512_set1_ps(*scales.add(r * blocks + b));
+            // Two accumulators a row (even and odd elements) per 16-byte
+            // chunk parity: four independent FMA chains for one row.
+            let mut acc = [[_mm512_setzero_ps(); 4]; MT];
+            let (q0, q1) = (b * blocksize / 2, (b + 1) * blocksize / 2);
+            let mut q = q0;
+            while q < q1 {
+                for slot in [0, 2] {
+                    if q >= q1 {
+                        break;
+                    }
+                    let idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.add(q).cast()));
+                    let mut hi = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
+                    let mut lo = _mm512_permutexvar_ps(_mm512_and_si512(idx, low), lut);
+                    if round_bf16 {
+                        hi = round(_mm512_mul_ps(hi, s));
+                        lo = round(_mm512_mul_ps(lo, s));
+                    }
+                    for j in 0..MT {
+                        let e = _mm512_loadu_ps(xe[j].add(q));
+                        let o = _mm512_loadu_ps(xo[j].add(q));
+                        acc[j][slot] = _mm512_fmadd_ps(hi, e, acc[j][slot]);
+                        acc[j][slot + 1] = _mm512_fmadd_ps(lo, o, acc[j][slot + 1]);
+                    }
+                    q += 16;
+                }
+            }
+            for j in 0..MT {
+                let a = &acc[j];
+                let sum = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+                total[j] = if round_bf16 {
+                    // Already scaled values: the block's sum adds in.
+                    _mm512_add_ps(total[j], sum)
+                } else {
+                    _mm512_fmadd_ps(sum, s, total[j])
+                };
+            }
+        }
+        for (j, t) in total.iter().enumerate() {
+            *yt.add(r * m + j0 + j) = _mm512_reduce_add_ps(*t);
+        }
+    }
+    MT
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
