@@ -21,12 +21,12 @@
 use candle_core::DType;
 
 use super::raw::amx::{self, bf16_bits, HalfRef, OutLayout};
-pub(crate) use super::raw::BF16_MR as MR;
-use super::raw::{bf16_tile, bf16_tile_available, gemm_new, par, MatRef, BF16_NR as NR};
+use super::raw::{bf16_tile, bf16_tile_available, gemm_new, par, MatRef};
+pub(crate) use super::raw::{BF16_MR as MR, BF16_NR as NR};
 
 /// Pairs of `k` per block: a packed panel of `b` (128 bytes a pair) is then
 /// 32 KiB, and a task's panels of `a` 56 bytes a pair per row.
-const KC_PAIRS: usize = 256;
+pub(crate) const KC_PAIRS: usize = 256;
 
 /// Rows of `a` per parallel task.
 const MC: usize = 4 * MR;
@@ -139,51 +139,126 @@ pub(crate) fn gemm_new_bf16((m, n, k): (usize, usize, usize), a: MatRef, b: MatR
 /// [`gemm_new_bf16`] on AVX-512 BF16.
 fn avx512_new((m, n, k): (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32> {
     a.check(m, k, "lhs");
-    avx512_new_packed((m, n, k), &|i0, rows, ks| pack_a(&a, i0, rows, ks), b)
+    b.check(k, n, "rhs");
+    let pack_lhs = |i0, rows, ks| pack_a(&a, i0, rows, ks);
+    let pack_rhs = |ks| PackedB {
+        data: pack_b(&b, ks, n),
+        pair_major: false,
+    };
+    avx512_new_with((m, n, k), &pack_lhs, &pack_rhs)
 }
 
 /// Packs rows `i0..i0 + rows` and columns `k0..k0 + kc` of a product's left
 /// operand as [`pack_a`] lays them out (`[pairs][MR]` panels of `MR` rows).
 pub(crate) type PackA<'a> = dyn Fn(usize, usize, (usize, usize)) -> Vec<u32> + Sync + 'a;
 
+/// Packs rows `k0..k0 + kc` of a product's right operand, every column:
+/// panel by panel as [`pack_b`] lays them out (`[pairs][NR]` panels of `NR`
+/// columns), or pair by pair ([`PackedB::pair_major`]).
+pub(crate) type PackB<'a> = dyn Fn((usize, usize)) -> PackedB + Sync + 'a;
+
+/// A block of the right operand, packed.
+pub(crate) struct PackedB {
+    /// The packed pairs.
+    pub data: Vec<u32>,
+    /// `[pairs][panels * NR]`: each pair's values for every column side by
+    /// side (what a packer writing a whole pair of rows at once makes),
+    /// instead of `[panels][pairs][NR]`.
+    pub pair_major: bool,
+}
+
 /// `c [m, n] = a [m, k] @ b [k, n]` with bf16 operands and f32 sums (as
-/// [`gemm_new_bf16`]), the left operand packed by `pack_a`: a caller whose
-/// `a` is not an f32 matrix (a quantized weight, dequantized while packed)
-/// hands its rows over in the microkernel's layout, a task's rows at a time.
+/// [`gemm_new_bf16`]), an operand packed by the caller: one that is not an
+/// f32 matrix (a quantized weight, dequantized while packed) hands its
+/// values over in the microkernel's layout, the left operand a task's rows
+/// at a time, the right one a block of `k` at a time.
 ///
 /// # Panics
 /// When the CPU lacks AVX-512 BF16 ([`super::raw::bf16_tile_available`]),
-/// or `b` or a packed panel is out of its slice.
+/// or an operand or a packed panel is out of its slice.
 pub(crate) fn gemm_new_bf16_packed(
     (m, n, k): (usize, usize, usize),
-    pack_a: &PackA,
-    b: MatRef,
+    a: Packed<'_, '_>,
+    b: Packed<'_, '_>,
 ) -> Vec<f32> {
-    avx512_new_packed((m, n, k), pack_a, b)
+    let lhs;
+    let pack_lhs: &PackA = match a {
+        Packed::Lhs(f) => f,
+        Packed::Matrix(a) => {
+            a.check(m, k, "lhs");
+            lhs = move |i0, rows, ks| pack_a(&a, i0, rows, ks);
+            &lhs
+        }
+        Packed::Rhs(_) => panic!("a right operand's packer given for the left"),
+    };
+    let rhs;
+    let pack_rhs: &PackB = match b {
+        Packed::Rhs(f) => f,
+        Packed::Matrix(b) => {
+            b.check(k, n, "rhs");
+            rhs = move |ks| PackedB {
+                data: pack_b(&b, ks, n),
+                pair_major: false,
+            };
+            &rhs
+        }
+        Packed::Lhs(_) => panic!("a left operand's packer given for the right"),
+    };
+    avx512_new_with((m, n, k), pack_lhs, pack_rhs)
 }
 
-/// [`avx512_new`] with the left operand's packer given.
-fn avx512_new_packed((m, n, k): (usize, usize, usize), pack_a: &PackA, b: MatRef) -> Vec<f32> {
-    b.check(k, n, "rhs");
+/// An operand of [`gemm_new_bf16_packed`]: an f32 matrix, or its packer.
+pub(crate) enum Packed<'a, 'f> {
+    /// Packed here from an f32 matrix.
+    Matrix(MatRef<'a>),
+    /// The left operand's packer.
+    Lhs(&'f PackA<'f>),
+    /// The right operand's packer.
+    Rhs(&'f PackB<'f>),
+}
+
+/// Rows of `c` per parallel task for `m` rows: up to `MC`, fewer (down to
+/// one panel of `MR`) when there are few rows, so every thread gets some.
+fn task_rows(m: usize) -> usize {
+    let panels = m.div_ceil(MR);
+    let per = panels.div_ceil(4 * par::threads()).clamp(1, MC / MR);
+    per * MR
+}
+
+/// [`avx512_new`] with both operands' packers given.
+fn avx512_new_with((m, n, k): (usize, usize, usize), pack_a: &PackA, pack_b: &PackB) -> Vec<f32> {
     if m == 0 || n == 0 {
         return Vec::new();
     }
     let mut c = vec![0f32; m * n];
     let panels = n.div_ceil(NR);
+    let mc = task_rows(m);
     for k0 in (0..k).step_by(2 * KC_PAIRS) {
         let kc = (2 * KC_PAIRS).min(k - k0);
         let pairs = kc.div_ceil(2);
-        let bp = pack_b(&b, (k0, kc), n);
-        par::chunks_mut(&mut c, MC * n, |t, c| {
+        let PackedB {
+            data: bp,
+            pair_major,
+        } = pack_b((k0, kc));
+        assert!(bp.len() >= panels * pairs * NR, "packed rhs is short");
+        // Where panel `q` starts and the stride between its pairs.
+        let panel = |q: usize| {
+            if pair_major {
+                (&bp[q * NR..], panels * NR)
+            } else {
+                (&bp[q * pairs * NR..][..pairs * NR], NR)
+            }
+        };
+        par::chunks_mut(&mut c, mc * n, |t, c| {
             let rows = c.len() / n;
-            let ap = pack_a(t * MC, rows, (k0, kc));
+            let ap = pack_a(t * mc, rows, (k0, kc));
             assert!(
                 ap.len() >= rows.div_ceil(MR) * pairs * MR,
                 "packed lhs is short"
             );
             for q in 0..panels {
                 let j0 = q * NR;
-                let bq = &bp[q * pairs * NR..][..pairs * NR];
+                let bq = panel(q);
                 for (s, aq) in ap.chunks(pairs * MR).enumerate() {
                     let r0 = s * MR;
                     let tile = (MR.min(rows - r0), NR.min(n - j0));

@@ -1,10 +1,11 @@
 //! The products through a quantized weight with bf16 operands and f32 sums
 //! (`vdpbf16ps`, twice the f32 rate), for bf16 inputs on CPUs with AVX-512
 //! BF16: the weight is dequantized straight into the microkernel's packed
-//! panels, a task's rows at a time, never whole.
+//! panels, a task's rows (forward) or a block of its rows (backward) at a
+//! time, never whole.
 
-use super::super::gemm_bf16::{gemm_new_bf16_packed, pair, to_pairs, MR};
-use super::super::raw::{bf16_tile_available, MatRef};
+use super::super::gemm_bf16::{gemm_new_bf16_packed, Packed, PackedB, MR, NR};
+use super::super::raw::{bf16_tile_available, par, MatRef};
 use super::{dequant, transpose, QuantRef};
 
 /// Whether [`forward`] and [`backward_input`] run here.
@@ -19,10 +20,9 @@ pub(super) fn forward(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
     let pack = |i0: usize, rows: usize, (k0, kc): (usize, usize)| {
         let pairs = kc.div_ceil(2);
         let mut panels = vec![0u32; rows.div_ceil(MR) * pairs * MR];
-        let (mut row, mut row_pairs) = (vec![0f32; kc], vec![0u32; pairs]);
+        let (mut scratch, mut row_pairs) = (Vec::new(), vec![0u32; pairs]);
         for r in 0..rows {
-            dequant::tile(w, (i0 + r, 1), (k0, kc), &mut row, kc);
-            to_pairs(&row, &mut row_pairs);
+            dequant::row_pairs(w, i0 + r, (k0, kc), &mut row_pairs, &mut scratch);
             let panel = &mut panels[r / MR * pairs * MR..][..pairs * MR];
             for (dst, &v) in panel[r % MR..].iter_mut().step_by(MR).zip(&row_pairs) {
                 *dst = v;
@@ -30,34 +30,44 @@ pub(super) fn forward(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
         }
         panels
     };
-    let yt = gemm_new_bf16_packed((out, n, inp), &pack, MatRef::rows_t(x, 0, inp));
+    let x_t = Packed::Matrix(MatRef::rows_t(x, 0, inp));
+    let yt = gemm_new_bf16_packed((out, n, inp), Packed::Lhs(&pack), x_t);
     transpose(&yt, out, n)
 }
 
-/// `dx [n, inp] = dy [n, out] @ W`, operands rounded to bf16.
+/// `dx [n, inp] = dy [n, out] @ W`, operands rounded to bf16: `W` is the
+/// right operand, its rows `k0..k0 + kc` packed a pair of rows at a time
+/// (both dequantized whole, then interleaved into one row of pairs), pairs
+/// in parallel; the microkernel reads each panel across the pair rows.
 pub(super) fn backward_input(dy: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
     let (out, inp) = w.dims();
-    // dxT [inp, n] = W^T [inp, out] @ dy^T [out, n]: columns of W packed as
-    // rows, pairs of consecutive rows of W.
-    let pack = |i0: usize, rows: usize, (k0, kc): (usize, usize)| {
+    let width = inp.div_ceil(NR) * NR;
+    let pack = |(k0, kc): (usize, usize)| {
         let pairs = kc.div_ceil(2);
-        let mut panels = vec![0u32; rows.div_ceil(MR) * pairs * MR];
-        let mut tile = vec![0f32; kc * rows];
-        dequant::tile(w, (k0, kc), (i0, rows), &mut tile, rows);
-        for r in 0..rows {
-            let panel = &mut panels[r / MR * pairs * MR..][..pairs * MR];
-            for p in 0..pairs {
-                let lo = tile[2 * p * rows + r];
-                let hi = if 2 * p + 1 < kc {
-                    tile[(2 * p + 1) * rows + r]
+        let rows_per_task = (PAIR_ROWS_PER_TASK).min(pairs).max(1);
+        let mut data = vec![0u32; pairs * width];
+        par::chunks_mut(&mut data, rows_per_task * width, |t, chunk| {
+            let (mut a, mut b) = (vec![0f32; inp], vec![0f32; inp]);
+            for (i, dst) in chunk.chunks_mut(width).enumerate() {
+                let p = t * rows_per_task + i;
+                let o = k0 + 2 * p;
+                dequant::tile(w, (o, 1), (0, inp), &mut a, inp);
+                if 2 * p + 1 < kc {
+                    dequant::tile(w, (o + 1, 1), (0, inp), &mut b, inp);
                 } else {
-                    0.0
-                };
-                panel[p * MR + r % MR] = pair(lo, hi);
+                    b.fill(0.0);
+                }
+                super::super::raw::quant::pair_rows(&a, &b, &mut dst[..inp]);
             }
+        });
+        PackedB {
+            data,
+            pair_major: true,
         }
-        panels
     };
-    let dxt = gemm_new_bf16_packed((inp, n, out), &pack, MatRef::rows_t(dy, 0, out));
-    transpose(&dxt, inp, n)
+    let dy_rows = Packed::Matrix(MatRef::rows(dy, 0, out));
+    gemm_new_bf16_packed((n, inp, out), dy_rows, Packed::Rhs(&pack))
 }
+
+/// Pairs of rows of `W` per task of the backward's packing.
+const PAIR_ROWS_PER_TASK: usize = 16;

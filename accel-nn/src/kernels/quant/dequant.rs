@@ -118,3 +118,60 @@ pub(super) fn scale(s: &Scales, b: usize) -> f32 {
     s.fill(b, &mut one);
     one[0]
 }
+
+/// Row `r` of the weight, columns `k0..k0 + kc`, as the bf16 products'
+/// pairs (`pair(W[r, k0 + 2p], W[r, k0 + 2p + 1])`, zero past an odd end):
+/// straight from the codes for a 4-bit weight stored in f32 or bf16 (one
+/// rounding to bf16 either way), else through [`tile`].
+pub(super) fn row_pairs(
+    w: &QuantRef,
+    r: usize,
+    (k0, kc): (usize, usize),
+    out: &mut [u32],
+    scratch: &mut Vec<f32>,
+) {
+    let (_, inp) = w.dims();
+    match *w {
+        QuantRef::FourBit {
+            packed,
+            scales,
+            codes,
+            blocksize,
+            store: Store::F32 | Store::Bf16,
+            ..
+        } if k0 % 2 == 0 && inp % 2 == 0 && blocksize % 2 == 0 => {
+            let base = r * inp;
+            let whole = kc / 2 * 2;
+            let (b0, b1) = (
+                (base + k0) / blocksize,
+                (base + k0 + kc).div_ceil(blocksize),
+            );
+            scratch.resize(b1 - b0, 0.0);
+            scales.fill(b0, scratch);
+            let mut k = k0;
+            while k < k0 + whole {
+                let b = (base + k) / blocksize;
+                let end = ((b + 1) * blocksize - base).min(k0 + whole);
+                let bytes = &packed[(base + k) / 2..(base + end) / 2];
+                let s = scratch[b - b0];
+                super::super::raw::quant::span_pairs(
+                    bytes,
+                    codes,
+                    s,
+                    &mut out[(k - k0) / 2..(end - k0) / 2],
+                );
+                k = end;
+            }
+            if whole < kc {
+                let e = base + k0 + whole;
+                let v = codes[(packed[e / 2] >> 4) as usize] * scratch[e / blocksize - b0];
+                out[whole / 2] = super::super::gemm_bf16::pair(v, 0.0);
+            }
+        }
+        _ => {
+            scratch.resize(kc, 0.0);
+            tile(w, (r, 1), (k0, kc), scratch, kc);
+            super::super::gemm_bf16::to_pairs(scratch, out);
+        }
+    }
+}

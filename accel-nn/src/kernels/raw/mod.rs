@@ -283,8 +283,10 @@ pub(crate) fn bf16_tile_available() -> bool {
 /// `c[r * ldc + j] (+)= sum_p a[p][r] . b[p][j]` for `r < rows`, `j < cols`,
 /// over `pairs` steps `p`, where each `u32` of the packed panels holds two
 /// bf16 values (consecutive `k`, the lower one first), `a` as
-/// `[pairs][BF16_MR]` and `b` as `[pairs][BF16_NR]`. `accumulate` adds to
-/// what `c` holds, else overwrites it.
+/// `[pairs][BF16_MR]` and `b`'s `BF16_NR` values of pair `p` at
+/// `b[p * ldb..]` (`ldb` = `BF16_NR` for a panel of its own; wider when the
+/// panels of one pair lie side by side). `accumulate` adds to what `c`
+/// holds, else overwrites it.
 ///
 /// # Panics
 /// When the CPU lacks AVX-512 BF16 (see [`bf16_tile_available`]), or a
@@ -293,7 +295,7 @@ pub(crate) fn bf16_tile_available() -> bool {
 pub(crate) fn bf16_tile(
     pairs: usize,
     a: &[u32],
-    b: &[u32],
+    (b, ldb): (&[u32], usize),
     c: &mut [f32],
     ldc: usize,
     (rows, cols): (usize, usize),
@@ -308,7 +310,9 @@ pub(crate) fn bf16_tile(
         "bf16_tile: a {rows} x {cols} tile (at most {BF16_MR} x {BF16_NR}) with row stride {ldc}"
     );
     assert!(
-        a.len() >= pairs * BF16_MR && b.len() >= pairs * BF16_NR,
+        ldb >= BF16_NR
+            && a.len() >= pairs * BF16_MR
+            && (pairs == 0 || b.len() >= (pairs - 1) * ldb + BF16_NR),
         "bf16_tile: short panel"
     );
     if rows == 0 || cols == 0 {
@@ -321,14 +325,14 @@ pub(crate) fn bf16_tile(
     );
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the CPU has AVX-512F and AVX512-BF16 (asserted above); the
-    // kernel reads `pairs * BF16_MR` u32 of `a` and `pairs * BF16_NR` of
-    // `b` (both checked) and touches `c[r * ldc + j]` for `r < rows`,
-    // `j < cols` only (masked loads and stores; checked above).
+    // kernel reads `pairs * BF16_MR` u32 of `a` and `BF16_NR` of `b` at
+    // `p * ldb` for `p < pairs` (both checked) and touches `c[r * ldc + j]`
+    // for `r < rows`, `j < cols` only (masked loads and stores; checked above).
     unsafe {
         bf16_tile_avx512(
             pairs,
             a.as_ptr(),
-            b.as_ptr(),
+            (b.as_ptr(), ldb),
             c.as_mut_ptr(),
             ldc,
             (rows, cols),
@@ -342,7 +346,7 @@ pub(crate) fn bf16_tile(
 unsafe fn bf16_tile_avx512(
     pairs: usize,
     a: *const u32,
-    b: *const u32,
+    (b, ldb): (*const u32, usize),
     c: *mut f32,
     ldc: usize,
     (rows, cols): (usize, usize),
@@ -370,8 +374,8 @@ unsafe fn bf16_tile_avx512(
         }
     }
     for p in 0..pairs {
-        let b0: __m512bh = core::mem::transmute(_mm512_loadu_si512(b.add(p * BF16_NR).cast()));
-        let b1: __m512bh = core::mem::transmute(_mm512_loadu_si512(b.add(p * BF16_NR + 16).cast()));
+        let b0: __m512bh = core::mem::transmute(_mm512_loadu_si512(b.add(p * ldb).cast()));
+        let b1: __m512bh = core::mem::transmute(_mm512_loadu_si512(b.add(p * ldb + 16).cast()));
         let ap = a.add(p * BF16_MR);
         for (r, acc) in acc.iter_mut().enumerate() {
             let x: __m512bh = core::mem::transmute(_mm512_set1_epi32(*ap.add(r) as i32));

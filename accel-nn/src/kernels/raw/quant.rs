@@ -224,9 +224,141 @@ unsafe fn dot_rows<const MT: usize>(
     MT
 }
 
+/// `out[i] = pair(codes[bytes[i] >> 4] * s, codes[bytes[i] & 15] * s)`: each
+/// byte's two values rounded to bf16 (to nearest even) and packed as the bf16
+/// products' pair (the even element in the low half), what a packed panel
+/// of the weight holds.
+///
+/// # Panics
+/// When `out` is not as long as `bytes`.
+pub(crate) fn span_pairs(bytes: &[u8], codes: &[f32; 16], s: f32, out: &mut [u32]) {
+    assert_eq!(out.len(), bytes.len(), "span_pairs: output length");
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if span_available() {
+        done = bytes.len() / 8 * 8;
+        // SAFETY: AVX-512F is present (checked); the kernel reads
+        // `bytes[..done]` 8 bytes at a time and writes `out[..done]` 8 u32
+        // at a time, inside both slices (lengths asserted).
+        unsafe { span_pairs_avx512(bytes.as_ptr(), done, codes, s, out.as_mut_ptr()) };
+    }
+    let bits = |v: f32| -> u32 {
+        let b = v.to_bits();
+        (b.wrapping_add(0x7fff + ((b >> 16) & 1))) >> 16
+    };
+    for (o, &b) in out[done..].iter_mut().zip(&bytes[done..]) {
+        let (lo, hi) = (codes[(b >> 4) as usize] * s, codes[(b & 15) as usize] * s);
+        *o = bits(lo) | (bits(hi) << 16);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn span_pairs_avx512(
+    bytes: *const u8,
+    len: usize,
+    codes: &[f32; 16],
+    s: f32,
+    out: *mut u32,
+) {
+    use core::arch::x86_64::*;
+    let lut = _mm512_loadu_ps(codes.as_ptr());
+    let scale = _mm512_set1_ps(s);
+    let low = _mm_set1_epi8(0x0f);
+    let one = _mm512_set1_epi32(1);
+    let bias = _mm512_set1_epi32(0x7fff);
+    for i in (0..len).step_by(8) {
+        let raw = _mm_loadl_epi64(bytes.add(i).cast());
+        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+        let lo = _mm_and_si128(raw, low);
+        let idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, lo));
+        let v = _mm512_castps_si512(_mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), scale));
+        // bf16 to nearest even: bits + 0x7fff + the kept lowest bit, the
+        // upper halves narrowed to 16 bits: lane 2i and 2i + 1 make pair i.
+        let lsb = _mm512_and_si512(_mm512_srli_epi32(v, 16), one);
+        let r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v, bias), lsb), 16);
+        _mm256_storeu_si256(out.add(i).cast(), _mm512_cvtepi32_epi16(r));
+    }
+}
+
+/// `out[j] = pair(lo[j], hi[j])`: two rows' values rounded to bf16 (to
+/// nearest even) and interleaved as the bf16 products' pairs, what a panel
+/// of consecutive rows holds.
+///
+/// # Panics
+/// When the three slices differ in length.
+pub(crate) fn pair_rows(lo: &[f32], hi: &[f32], out: &mut [u32]) {
+    assert!(
+        lo.len() == out.len() && hi.len() == out.len(),
+        "pair_rows: lengths"
+    );
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if span_available() {
+        done = out.len() / 16 * 16;
+        // SAFETY: AVX-512F is present (checked); 16 values of each slice are
+        // read and 16 u32 written per step, below `done <= len` (asserted).
+        unsafe { pair_rows_avx512(lo.as_ptr(), hi.as_ptr(), done, out.as_mut_ptr()) };
+    }
+    let bits = |v: f32| -> u32 {
+        let b = v.to_bits();
+        (b.wrapping_add(0x7fff + ((b >> 16) & 1))) >> 16
+    };
+    for ((o, &l), &h) in out[done..].iter_mut().zip(&lo[done..]).zip(&hi[done..]) {
+        *o = bits(l) | (bits(h) << 16);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pair_rows_avx512(lo: *const f32, hi: *const f32, len: usize, out: *mut u32) {
+    use core::arch::x86_64::*;
+    let one = _mm512_set1_epi32(1);
+    let bias = _mm512_set1_epi32(0x7fff);
+    let round = |v: __m512i| {
+        let lsb = _mm512_and_si512(_mm512_srli_epi32(v, 16), one);
+        _mm512_add_epi32(_mm512_add_epi32(v, bias), lsb)
+    };
+    for i in (0..len).step_by(16) {
+        let l = round(_mm512_loadu_si512(lo.add(i).cast()));
+        let h = round(_mm512_loadu_si512(hi.add(i).cast()));
+        let p = _mm512_or_si512(
+            _mm512_srli_epi32(l, 16),
+            _mm512_and_si512(h, _mm512_set1_epi32(-65536)),
+        );
+        _mm512_storeu_si512(out.add(i).cast(), p);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pairs_are_the_values_rounded_to_bf16_and_paired() {
+        let codes: [f32; 16] = std::array::from_fn(|i| i as f32 * 0.3137 - 2.0);
+        let bytes: Vec<u8> = (0..=255u8).chain(0..5).collect();
+        let mut out = vec![0u32; bytes.len()];
+        span_pairs(&bytes, &codes, 0.731, &mut out);
+        for (i, &b) in bytes.iter().enumerate() {
+            let h = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+            let want =
+                h(codes[(b >> 4) as usize] * 0.731) | (h(codes[(b & 15) as usize] * 0.731) << 16);
+            assert_eq!(out[i], want, "byte {i}");
+        }
+    }
+
+    #[test]
+    fn paired_rows_are_their_values_rounded_to_bf16() {
+        let lo: Vec<f32> = (0..37).map(|i| i as f32 * 0.0137 - 0.2).collect();
+        let hi: Vec<f32> = (0..37).map(|i| i as f32 * -0.0291 + 1.1).collect();
+        let mut out = vec![0u32; 37];
+        pair_rows(&lo, &hi, &mut out);
+        let h = |v: f32| u32::from(half::bf16::from_f32(v).to_bits());
+        for j in 0..37 {
+            assert_eq!(out[j], h(lo[j]) | (h(hi[j]) << 16), "{j}");
+        }
+    }
 
     #[test]
     fn every_code_pair_expands_as_the_scalar_loop_does() {
