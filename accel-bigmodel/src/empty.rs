@@ -36,10 +36,25 @@ pub struct EmptyTensor {
 ///
 /// Clones share the record, so keep one to read it after handing a clone to
 /// `VarBuilder::from_backend` (or use [`EmptyWeights::var_builder`]).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct EmptyWeights {
     records: Arc<Mutex<Vec<EmptyTensor>>>,
     known: Option<Arc<HashSet<String>>>,
+    described: Option<Describer>,
+}
+
+/// Reads a tensor asked for without a shape (a quantized weight's JSON state,
+/// its code book), in `dtype`, when the source holds it.
+pub type Describer = Arc<dyn Fn(&str, DType) -> Option<Tensor> + Send + Sync>;
+
+impl std::fmt::Debug for EmptyWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmptyWeights")
+            .field("records", &self.records)
+            .field("known", &self.known.as_ref().map(|k| k.len()))
+            .field("described", &self.described.is_some())
+            .finish()
+    }
 }
 
 /// A tensor of `shape` backed by one zero element: what an empty model holds,
@@ -82,7 +97,17 @@ impl EmptyWeights {
         EmptyWeights {
             records: Arc::default(),
             known: Some(Arc::new(names.into_iter().map(Into::into).collect())),
+            described: None,
         }
+    }
+
+    /// The same recorder reading what is asked for without a shape with
+    /// `describe` (its value is handed out and recorded with its shape): the
+    /// small tensors that describe others, such as a quantized weight's
+    /// state, which an empty model needs to know its parts' shapes.
+    pub fn with_describer(mut self, describe: Describer) -> Self {
+        self.described = Some(describe);
+        self
     }
 
     /// A `VarBuilder` that builds on this recorder.
@@ -154,9 +179,13 @@ impl SimpleBackend for EmptyWeights {
     fn get_unchecked(
         &self,
         name: &str,
-        _dtype: DType,
-        _device: &Device,
+        dtype: DType,
+        device: &Device,
     ) -> candle_core::Result<Tensor> {
+        if let Some(t) = self.described.as_ref().and_then(|d| d(name, dtype)) {
+            self.record(name, t.shape(), dtype)?;
+            return t.to_device(device);
+        }
         // Without a shape there is nothing to record or to broadcast to.
         Err(candle_core::Error::Msg(format!(
             "init_empty_weights: `{name}` was requested without a shape; an empty model can only hand out tensors whose shape the model states"

@@ -63,7 +63,7 @@ pub use checkpoint::{
 };
 pub use device_map::{check_device_map, clean_device_map, DeviceMap, Placement};
 pub use dtype::DTypeName;
-pub use empty::{init_empty_weights, placeholder, EmptyTensor, EmptyWeights};
+pub use empty::{init_empty_weights, placeholder, Describer, EmptyTensor, EmptyWeights};
 pub use error::{Error, Result};
 pub use mapped::{MappedAlloc, MappedStats};
 pub use memory::{

@@ -130,8 +130,14 @@ impl AutoModel {
     pub fn empty(dir: impl AsRef<Path>, dtype: DType) -> Result<Self> {
         let dir = dir.as_ref();
         let cfg = ModelConfig::from_path(dir)?;
-        let source = CheckpointSource::open(dir)?;
-        let known = EmptyWeights::with_known_names(source.names().map(str::to_string));
+        let source = Arc::new(CheckpointSource::open(dir)?);
+        let names = source.names().map(str::to_string);
+        // A quantized weight's state and code books are read for real: its
+        // parts' shapes follow from them.
+        let reader = source.clone();
+        let known = EmptyWeights::with_known_names(names).with_describer(Arc::new(move |n, d| {
+            reader.tensor(n, &Device::Cpu, Some(d)).ok()
+        }));
         Self::new(&cfg, known.var_builder(dtype, &Device::Cpu))
     }
 

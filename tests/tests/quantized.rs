@@ -458,3 +458,32 @@ fn a_damaged_quantized_folder_names_the_tensor() {
         .to_string();
     assert!(e.contains(name), "{e}");
 }
+
+/// A folder saved quantized dispatches as Accelerate's
+/// `load_checkpoint_and_dispatch` does: planned over its module tree (the
+/// packed codes sized as they are), layers left on disk read back per
+/// forward, with the logits it has loaded whole.
+#[test]
+fn a_quantized_folder_dispatches_with_layers_on_disk() {
+    use accel_core::bigmodel::{Placement, PlanOptions};
+    use accel_core::nn::{DeviceMapChoice, LoadDispatchOptions};
+    for name in ["llama-nf4-dq", "llama-8bit"] {
+        let dir = fixture(name);
+        let whole = AutoModel::load(&dir, DType::F32, &Device::Cpu).unwrap();
+        let r = reference(&dir);
+        let budget = vec![
+            (Placement::Cpu, "150KB".into()),
+            (Placement::Disk, "1GB".into()),
+        ];
+        let plan = PlanOptions::new(budget).with_no_split_module_classes([whole.layer_class()]);
+        let opts = LoadDispatchOptions::new(DeviceMapChoice::Auto(plan));
+        let (dispatched, report) = AutoModel::load_dispatched(&dir, &opts).unwrap();
+        let on_disk = format!("{report:?}");
+        assert!(
+            on_disk.contains("(\"model.layers.1\", 'disk')"),
+            "{name}: {on_disk}"
+        );
+        let d = max_diff(&logits(&dispatched, &ids(&r)), &logits(&whole, &ids(&r)));
+        assert!(d < 1e-5, "{name}: {d}");
+    }
+}

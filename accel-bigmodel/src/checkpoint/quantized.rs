@@ -103,12 +103,6 @@ impl CheckpointSource {
     }
 }
 
-/// A tensor of the signed 8-bit dtype candle lacks, as its bytes in a u8
-/// tensor (LLM.int8 weights of a pre-quantized checkpoint).
-pub(super) fn int8_as_u8(bytes: &[u8], shape: &[usize], device: &Device) -> Result<Tensor> {
-    Ok(Tensor::from_raw_buffer(bytes, DType::U8, shape, device)?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -274,14 +274,6 @@ impl CheckpointSource {
                 return Ok(t);
             }
         }
-        let file = &self.mapped[i];
-        if let (Some(entry), Some(bytes)) = (file.header().get(name), file.bytes(name)) {
-            if entry.dtype == "I8" && dtype.is_none_or(|d| d == DType::U8) {
-                let t = super::quantized::int8_as_u8(bytes, &entry.shape, device)?;
-                file.release(name);
-                return Ok(t);
-            }
-        }
         let tensor = self.mapped[i].tensor(name, device)?;
         // A copy now: the file's pages need not stay resident beside it.
         self.mapped[i].release(name);

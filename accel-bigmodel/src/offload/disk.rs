@@ -247,7 +247,7 @@ impl OffloadedWeightsLoader {
                 name: name.to_string(),
                 checkpoint: source.checkpoint().to_path_buf(),
             })?;
-            let stored = at.dtype().ok_or_else(|| Error::Safetensors {
+            let stored = at.entry.loaded_dtype().ok_or_else(|| Error::Safetensors {
                 path: at.file.to_path_buf(),
                 tensor: Some(name.to_string()),
                 reason: format!("dtype {} cannot be held by candle", at.entry.dtype),
@@ -299,7 +299,7 @@ impl OffloadedWeightsLoader {
                     checkpoint: file.clone(),
                 });
             };
-            let stored = e.candle_dtype().ok_or_else(|| Error::BadOffloadIndex {
+            let stored = e.loaded_dtype().ok_or_else(|| Error::BadOffloadIndex {
                 path: file.clone(),
                 key: key.clone(),
                 reason: format!("dtype {} cannot be held by candle", e.dtype),

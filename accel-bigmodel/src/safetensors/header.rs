@@ -42,6 +42,15 @@ impl HeaderEntry {
         candle_dtype(&self.dtype)
     }
 
+    /// The candle dtype it loads as: its own, or u8 for int8 (whose bytes
+    /// candle holds as u8: LLM.int8 weights).
+    pub fn loaded_dtype(&self) -> Option<DType> {
+        match self.dtype.as_str() {
+            "I8" => Some(DType::U8),
+            _ => self.candle_dtype(),
+        }
+    }
+
     /// The torch dtype the planner sizes this tensor with, if torch has one.
     pub fn torch_dtype(&self) -> Option<DTypeName> {
         let st: safetensors::Dtype =

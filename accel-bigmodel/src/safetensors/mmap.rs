@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::path::Path;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 
 use super::header::SafetensorsHeader;
@@ -86,7 +86,9 @@ impl MmapFile {
         }
     }
 
-    /// Materialises a tensor on `device`, in the dtype the file stores.
+    /// Materialises a tensor on `device`, in the dtype the file stores; an
+    /// int8 tensor (LLM.int8 weights), which candle cannot hold, as its bytes
+    /// in u8.
     ///
     /// # Errors
     /// [`Error::MissingTensor`] when the file lacks it, [`Error::Safetensors`]
@@ -98,6 +100,14 @@ impl MmapFile {
                 checkpoint: self.path().to_path_buf(),
             });
         };
+        if entry.dtype == "I8" {
+            return Ok(Tensor::from_raw_buffer(
+                bytes,
+                DType::U8,
+                &entry.shape,
+                device,
+            )?);
+        }
         let dtype = entry.candle_dtype().ok_or_else(|| Error::Safetensors {
             path: self.path().to_path_buf(),
             tensor: Some(name.to_string()),

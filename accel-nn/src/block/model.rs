@@ -36,11 +36,21 @@ pub trait Model {
     /// # Errors
     /// A dtype torch lacks, a name used for both a module and a weight.
     fn tree(&self, dtype: Option<DType>) -> Result<ModuleTree> {
+        // A quantized weight's maxima and state are no parameters of the
+        // module (attributes of bitsandbytes' `Params4bit`): Accelerate's
+        // sizes count the packed codes alone, and so does this tree.
         let tensors = self
             .named_tensors()
             .into_iter()
+            .filter(|(n, _)| !accel_bigmodel::quant::is_quant_part(n))
             .map(|(n, v)| {
-                let d = DTypeName::try_from(dtype.unwrap_or(v.dtype()))?;
+                // A quantized weight's codes keep their dtype whatever `dtype` says.
+                let own = v.dtype();
+                let d = DTypeName::try_from(if own.is_float() {
+                    dtype.unwrap_or(own)
+                } else {
+                    own
+                })?;
                 Ok((n, v.dims().to_vec(), d))
             })
             .collect::<Result<Vec<_>>>()?;
