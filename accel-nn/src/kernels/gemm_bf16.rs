@@ -230,7 +230,8 @@ fn avx512_new_with((m, n, k): (usize, usize, usize), pack_a: &PackA, pack_b: &Pa
     if m == 0 || n == 0 {
         return Vec::new();
     }
-    let mut c = vec![0f32; m * n];
+    // Zeroed in parallel chunks, not one serial memset.
+    let mut c = par::new_vec(m * n, 1 << 14, |_, _| {});
     let panels = n.div_ceil(NR);
     let mc = task_rows(m);
     for k0 in (0..k).step_by(2 * KC_PAIRS) {

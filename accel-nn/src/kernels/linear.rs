@@ -16,11 +16,11 @@ use super::act::{copy_backward, forward_new};
 use super::gemm_bf16::{self, bf16_products, keep_bf16, product_of};
 use super::raw::amx::{HalfRef, Values};
 use super::raw::{gemm, gemm_new, par, MatRef};
-use super::skinny;
 use super::{
-    as_bf16, as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_f32,
-    with_values, CHUNK,
+    as_bf16, as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_bf16,
+    with_f32, with_values, CHUNK,
 };
+use super::{linear_bf16, skinny};
 
 /// `y [n, out]` with the bias, when given, added to every row.
 fn plus_bias(mut y: Vec<f32>, b: Option<(&CpuStorage, &Layout)>, out: usize) -> Result<Vec<f32>> {
@@ -91,7 +91,14 @@ impl LinearOp {
                 HalfRef::new(Values::Bf16(xs), 0, (inp, 1)),
                 HalfRef::new(Values::Bf16(ws), 0, (1, inp)),
             ),
-            None => Self::product_f32((x, w, b), (n, inp, out), bf16)?,
+            None => match as_bf16(w.0, w.1) {
+                // bf16 weights on AVX-512 BF16 without AMX: packed as they lie.
+                Some(ws) if bf16 && n >= linear_bf16::MIN_ROWS && linear_bf16::available() => {
+                    let xs = as_f32(x.0, x.1)?;
+                    plus_bias(linear_bf16::forward(&xs, n, ws, out, inp), b, out)?
+                }
+                _ => Self::product_f32((x, w, b), (n, inp, out), bf16)?,
+            },
         };
         let mut y = match (amx, b) {
             (Some(_), Some(b)) => plus_bias(y, Some(b), out)?,
@@ -197,7 +204,12 @@ impl LinearOp {
             // lie (no f32 copy of the weight), and `dh` rounded to bf16 as
             // it packs it.
             let keep = keep_bf16(bf16);
-            let dx = if x.track_op() {
+            let direct = bf16 && n >= linear_bf16::MIN_ROWS && linear_bf16::available();
+            let dx = if x.track_op() && direct {
+                // A bf16 weight on AVX-512 BF16 without AMX, as it lies.
+                let dx = with_bf16(w, |ws| Ok(linear_bf16::backward_input(dh, n, ws, out, inp)))?;
+                Some(tensor_from_f32(dx, (n, inp), x.dtype())?)
+            } else if x.track_op() {
                 // dx [n, in] = dh [n, out] @ w [out, in]
                 let dx = with_values(w, keep, |ws| {
                     let dh_rows = HalfRef::new(Values::F32(dh), 0, (out, 1));

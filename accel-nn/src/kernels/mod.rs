@@ -32,6 +32,7 @@ mod attention_packed;
 mod flash;
 mod gemm_bf16;
 mod linear;
+mod linear_bf16;
 mod loss;
 mod loss_chunked;
 mod math;
@@ -178,6 +179,19 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
         Storage::Cpu(s) => f(&as_f32(s, layout)?),
+        _ => bail!("fused kernels run on CPU only"),
+    }
+}
+
+/// Runs `f` on the contents of a contiguous bf16 CPU tensor, borrowed.
+fn with_bf16<R>(t: &Tensor, f: impl FnOnce(&[bf16]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(s) => match as_bf16(s, layout) {
+            Some(v) => f(v),
+            None => bail!("expected a contiguous bf16 tensor, got {:?}", s.dtype()),
+        },
         _ => bail!("fused kernels run on CPU only"),
     }
 }

@@ -45,8 +45,8 @@ pub(super) fn backward_input(dy: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
     let pack = |(k0, kc): (usize, usize)| {
         let pairs = kc.div_ceil(2);
         let rows_per_task = (PAIR_ROWS_PER_TASK).min(pairs).max(1);
-        let mut data = vec![0u32; pairs * width];
-        par::chunks_mut(&mut data, rows_per_task * width, |t, chunk| {
+        // Zeroed and packed chunk by chunk in parallel.
+        let data = par::new_vec(pairs * width, rows_per_task * width, |t, chunk| {
             let (mut a, mut b) = (vec![0f32; inp], vec![0f32; inp]);
             for (i, dst) in chunk.chunks_mut(width).enumerate() {
                 let p = t * rows_per_task + i;

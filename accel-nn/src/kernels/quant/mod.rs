@@ -182,6 +182,11 @@ pub(crate) fn forward(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
     if n <= SKINNY_ROWS {
         return skinny::x_wt(x, n, w);
     }
+    if n <= super::skinny::MAX_ROWS {
+        // Slabs of W dequantized into L2 for the skinny kernels, which read
+        // them as they lie (gemm would pack each tile again).
+        return skinny::slabs(x, n, w);
+    }
     // yT [out, n]: a task owns TILE_ROWS rows of it (rows of W).
     let yt = par::new_vec(out * n, TILE_ROWS * n, |t, yt| {
         let o0 = t * TILE_ROWS;

@@ -5,27 +5,29 @@
 //! buffer that stays in L2 and multiplied with the skinny dot-product kernel.
 
 use super::super::raw::{par, quant as simd};
-use super::super::skinny::{slab_rows, slab_x_wt};
+use super::super::skinny::x_wt_slabs;
 use super::{dequant, QuantRef, Store};
 
 /// `y [n, out] = x [n, inp] @ W^T` for small `n`.
 pub(super) fn x_wt(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
-    let (out, inp) = w.dims();
+    let (out, _) = w.dims();
     if n == 0 || out == 0 {
         return Vec::new();
     }
     if let Some(yt) = fused(x, n, w) {
         return super::transpose(&yt, out, n);
     }
-    let rows = slab_rows(inp, n);
-    let yt = par::new_vec(out * n, rows * n, |t, yt| {
-        let o0 = t * rows;
-        let r = yt.len() / n;
-        let mut buf = vec![0f32; r * inp];
-        dequant::tile(w, (o0, r), (0, inp), &mut buf, inp);
-        slab_x_wt(x, &buf, yt, n, inp);
-    });
-    super::transpose(&yt, out, n)
+    slabs(x, n, w)
+}
+
+/// `x W^T` with the skinny kernels on slabs of `W` dequantized a task's rows
+/// at a time (up to [`super::super::skinny::MAX_ROWS`] rows of `x`).
+pub(super) fn slabs(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
+    let (out, inp) = w.dims();
+    let slab = |o0: usize, rows: usize, buf: &mut [f32]| {
+        dequant::tile(w, (o0, rows), (0, inp), buf, inp);
+    };
+    x_wt_slabs(x, (n, inp, out), &slab)
 }
 
 /// Rows of a 4-bit weight per task of the fused form.

@@ -158,7 +158,9 @@ fn products_match_the_dequantized_weight() {
         let v = w.view();
         let (out, inp) = v.dims();
         let dense = w.reference();
-        for n in [1, 5, SKINNY_ROWS + 3, 70] {
+        // Decoding straight off the codes, slabs for the skinny kernels, and
+        // (past their rows) tiles for gemm.
+        for n in [1, 5, SKINNY_ROWS + 3, 70, 300] {
             let x = data(n * inp, 11);
             let y = forward(&x, n, &v);
             let dy = data(n * out, 13);

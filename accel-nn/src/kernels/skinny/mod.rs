@@ -68,17 +68,48 @@ pub(crate) fn x_wt(x: &[f32], w: &[f32], m: usize, k: usize, out: usize) -> Vec<
     x_wt_in(x, w, (m, k, out), m >= lanes && out >= BROADCAST_MIN_OUT)
 }
 
-/// The dot-product form on one slab of `w` rows: `yt [rows, m] = w [rows, k]
-/// @ x [m, k]^T` on the calling thread (for callers that make the slab
-/// themselves, such as the quantized products that dequantize it), and the
-/// number of `w` rows a slab should have.
-pub(crate) fn slab_x_wt(x: &[f32], w: &[f32], yt: &mut [f32], m: usize, k: usize) {
-    pulp::Arch::new().dispatch(Tiles { x, w, yt, m, k })
-}
-
-/// Rows of `w` per slab of [`slab_x_wt`] for `m` rows of `x` of length `k`.
-pub(crate) fn slab_rows(k: usize, m: usize) -> usize {
-    w_rows_per_task(k, m)
+/// [`x_wt`] for a weight that is not an f32 matrix: each task asks `slab`
+/// for its rows of `w` (`slab(o0, rows, buf)` fills `buf` with rows
+/// `o0..o0 + rows`, row-major), then runs the form [`x_wt`] would choose on
+/// them, so a quantized weight is dequantized a slab at a time into a buffer
+/// that stays in L2.
+pub(crate) fn x_wt_slabs(
+    x: &[f32],
+    (m, k, out): (usize, usize, usize),
+    slab: &(dyn Fn(usize, usize, &mut [f32]) + Sync),
+) -> Vec<f32> {
+    assert_eq!(x.len(), m * k, "skinny linear: x is not [{m}, {k}]");
+    if m == 0 || out == 0 {
+        return Vec::new();
+    }
+    if k == 0 {
+        return vec![0.0; m * out];
+    }
+    let lanes = pulp::Arch::new().dispatch(Lanes);
+    let broadcast = m >= lanes && out >= BROADCAST_MIN_OUT;
+    let xt = if broadcast {
+        broadcast::x_columns(x, m, k, lanes)
+    } else {
+        Vec::new()
+    };
+    let rows = w_rows_per_task(k, m);
+    let yt = par::new_vec(out * m, rows * m, |i, yt| {
+        let r = yt.len() / m;
+        let mut w = vec![0f32; r * k];
+        slab(i * rows, r, &mut w);
+        let w = &w;
+        if broadcast {
+            let xt = &xt;
+            pulp::Arch::new().dispatch(Broadcast { xt, w, yt, m, k })
+        } else {
+            pulp::Arch::new().dispatch(Tiles { x, w, yt, m, k })
+        }
+    });
+    par::new_vec(m * out, out, |i, row| {
+        for (o, v) in row.iter_mut().enumerate() {
+            *v = yt[o * m + i];
+        }
+    })
 }
 
 /// [`x_wt`] in the form given: broadcasts or dot products.
