@@ -20,11 +20,12 @@ use candle_core::{
 };
 
 use super::gemm_bf16::{bf16_products, keep_bf16, product_of};
+use super::linear_bf16;
 use super::raw::amx::{HalfRef, Values};
 use super::raw::par;
 use super::{
-    as_f32, math, rows_per_reduction, rows_per_task, tensor_from_f32, values_of, with_f32,
-    with_values,
+    as_bf16, as_f32, math, rows_per_reduction, rows_per_task, tensor_from_f32, values_of,
+    with_bf16, with_f32, with_values,
 };
 
 /// Marks a row whose target is ignored.
@@ -276,6 +277,34 @@ fn logits(bf16: bool, x: &[f32], w: Values, n: usize, d: usize, c: usize) -> Vec
     )
 }
 
+/// Whether a bf16 head's products take its values as they lie
+/// ([`linear_bf16`]: AVX-512 BF16 without AMX).
+fn direct_bf16(bf16: bool) -> bool {
+    bf16 && linear_bf16::available()
+}
+
+/// The forward over chunks of `per` rows with the chunk's logits from
+/// `logits(x_chunk, rows)`: row log-sum-exps and the loss.
+fn chunked(
+    x: &[f32],
+    targets: &[u32],
+    (d, c): (usize, usize),
+    per: usize,
+    logits: impl Fn(&[f32], usize) -> Vec<f32>,
+) -> (Vec<f32>, f32) {
+    let n = targets.len();
+    let (mut lse, mut partials) = (Vec::with_capacity(n), vec![]);
+    for r0 in (0..n).step_by(per.max(1)) {
+        let m = per.min(n - r0);
+        let l = logits(&x[r0 * d..(r0 + m) * d], m);
+        let (cl, cp) = lse_and_partials(&l, &targets[r0..r0 + m], c);
+        lse.extend(cl);
+        partials.extend(cp);
+    }
+    let loss = mean_of(&partials, targets);
+    (lse, loss)
+}
+
 /// The forward over chunks of `per` rows: row log-sum-exps and the loss.
 fn chunked_forward(
     bf16: bool,
@@ -284,17 +313,9 @@ fn chunked_forward(
     (d, c): (usize, usize),
     per: usize,
 ) -> (Vec<f32>, f32) {
-    let n = targets.len();
-    let (mut lse, mut partials) = (Vec::with_capacity(n), vec![]);
-    for r0 in (0..n).step_by(per) {
-        let m = per.min(n - r0);
-        let l = logits(bf16, &x[r0 * d..(r0 + m) * d], w, m, d, c);
-        let (cl, cp) = lse_and_partials(&l, &targets[r0..r0 + m], c);
-        lse.extend(cl);
-        partials.extend(cp);
-    }
-    let loss = mean_of(&partials, targets);
-    (lse, loss)
+    chunked(x, targets, (d, c), per, |xc, m| {
+        logits(bf16, xc, w, m, d, c)
+    })
 }
 
 impl CustomOp3 for LinearCrossEntropy {
@@ -319,9 +340,17 @@ impl CustomOp3 for LinearCrossEntropy {
         let targets = targets_of(s3, l3, n, c)?;
         let bf16 = bf16_products(s1.dtype(), s2.dtype());
         let xs = as_f32(s1, l1)?;
+        let per = chunk_rows(n, c, self.budget);
+        if let Some(wb) = as_bf16(s2, l2).filter(|_| direct_bf16(bf16)) {
+            // A bf16 head as it lies: a 128K x 3K vocabulary is 1.5 GB in f32.
+            let (lse, loss) = chunked(&xs, targets, (d, c), per, |x, m| {
+                linear_bf16::forward(x, m, wb, c, d)
+            });
+            *self.state.lock().unwrap() = Some((None, lse));
+            return Ok((CpuStorage::F32(vec![loss]), Shape::from(())));
+        }
         let ws = values_of(s2, l2, keep_bf16(bf16))?;
         let ws = ws.values();
-        let per = chunk_rows(n, c, self.budget);
         let loss = if per >= n {
             let logits = logits(bf16, &xs, ws, n, d, c);
             let (lse, loss) = lse_and_loss(&logits, targets, c);
@@ -362,6 +391,29 @@ impl CustomOp3 for LinearCrossEntropy {
             }
         };
         let (want_dx, want_dw) = (x.track_op(), w.track_op());
+        if direct_bf16(bf16) && !want_dw && w.dtype() == DType::BF16 {
+            // A frozen bf16 head (a LoRA or QLoRA base) as it lies.
+            let dx = with_f32(x, |xs| {
+                with_bf16(w, |wb| {
+                    let mut dx = Vec::with_capacity(if want_dx { n * d } else { 0 });
+                    for r0 in (0..n).step_by(per.max(1)) {
+                        let m = per.min(n - r0);
+                        let xc = &xs[r0 * d..(r0 + m) * d];
+                        let mut dl = linear_bf16::forward(xc, m, wb, c, d);
+                        let t = &targets[r0..r0 + m];
+                        softmax_minus_onehot(&mut dl, &lse[r0..r0 + m], t, c, scale);
+                        if want_dx {
+                            dx.extend(linear_bf16::backward_input(&dl, m, wb, c, d));
+                        }
+                    }
+                    Ok(dx)
+                })
+            })?;
+            let dx = want_dx
+                .then(|| tensor_from_f32(dx, (n, d), x.dtype()))
+                .transpose()?;
+            return Ok((dx, None, None));
+        }
         let (dx, dw) = with_f32(x, |xs| {
             with_values(w, keep_bf16(bf16), |ws| {
                 let mut dx = want_dx.then(|| Vec::with_capacity(n * d));
@@ -454,5 +506,44 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// A frozen bf16 head (LoRA's, QLoRA's base): the loss and the input's
+    /// gradient are those of f32 products on the same bf16 values, whole
+    /// and in chunks, and the head gets no gradient.
+    #[test]
+    fn a_frozen_bf16_head_gives_the_f32_products_of_its_values() -> Result<()> {
+        let (n, d, c) = (40, 32, 700);
+        let x = Var::from_tensor(&randn(&[n, d], 3, 1.0)?.to_dtype(DType::BF16)?)?;
+        let w = randn(&[c, d], 4, 0.5)?.to_dtype(DType::BF16)?;
+        let t = Tensor::new(
+            (0..n as u32)
+                .map(|i| (i * 31) % c as u32)
+                .collect::<Vec<_>>(),
+            &Device::Cpu,
+        )?;
+        let x32 = Var::from_tensor(&x.to_dtype(DType::F32)?)?;
+        let want = crate::ops::composed::linear_cross_entropy(&x32, &w.to_dtype(DType::F32)?, &t)?;
+        let gw = want.backward()?;
+        for budget in [usize::MAX, 9 * c] {
+            let loss = linear_cross_entropy_within(&x, &w, &t, budget)?;
+            let dl = (loss.to_dtype(DType::F32)? - &want)?
+                .abs()?
+                .to_scalar::<f32>()?;
+            assert!(dl < 1e-4, "budget {budget}: loss off by {dl}");
+            let g = loss.backward()?;
+            assert!(g.get(&w).is_none());
+            let dx = g.get(x.as_tensor()).unwrap().to_dtype(DType::F32)?;
+            let e = (dx - g_x(&gw, &x32)?)?
+                .abs()?
+                .max_all()?
+                .to_scalar::<f32>()?;
+            assert!(e < 1e-3, "budget {budget}: dx off by {e}");
+        }
+        Ok(())
+    }
+
+    fn g_x(g: &candle_core::backprop::GradStore, x: &Var) -> Result<Tensor> {
+        Ok(g.get(x.as_tensor()).unwrap().clone())
     }
 }
