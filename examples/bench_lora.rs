@@ -78,6 +78,16 @@ struct Args {
     /// (everything fp32 on both sides: no AMX or bf16 products anywhere).
     #[arg(long, default_value = "bf16")]
     mixed_precision: PrecisionType,
+    /// Skip the full fine-tune (a model whose AdamW state does not fit).
+    #[arg(long)]
+    no_full: bool,
+    /// LoRA's rank on every side (alpha stays 16).
+    #[arg(long, default_value_t = 8)]
+    lora_r: usize,
+    /// Recompute each decoder layer in backward on every side (transformers'
+    /// `gradient_checkpointing_enable()`).
+    #[arg(long)]
+    gradient_checkpointing: bool,
     /// Also run QLoRA: the base loaded in 4-bit NF4 with double quantization
     /// (compute dtype bfloat16 under `--mixed-precision bf16`, else float32),
     /// ours (`accel_rs_qlora`) and transformers + PEFT + bitsandbytes
@@ -108,7 +118,6 @@ impl Side {
 }
 
 /// The LoRA settings every side uses (PEFT's names).
-const LORA_R: usize = 8;
 const LORA_ALPHA: f64 = 16.0;
 const LORA_TARGETS: &str = "q_proj,v_proj";
 const LR: f64 = 1e-4;
@@ -159,7 +168,7 @@ fn child(side: Side, dir: &Path, args: &Args) -> Result<Value> {
     let lora = match side {
         Side::Lora | Side::Qlora => {
             let targets = LoraTargets::parse(LORA_TARGETS).map_err(anyhow::Error::msg)?;
-            let mut config = LoraConfig::new(LORA_R, targets);
+            let mut config = LoraConfig::new(args.lora_r, targets);
             config.alpha = LORA_ALPHA;
             Some(cfg.set_lora(config))
         }
@@ -198,6 +207,9 @@ fn child(side: Side, dir: &Path, args: &Args) -> Result<Value> {
             .prepare_pretrained(dir, |vb| build(&cfg, vb))
             .with_context(loading)?,
     };
+    if args.gradient_checkpointing {
+        accel_core::nn::block::apply_activation_checkpointing(&model, &[model.layer_class()])?;
+    }
     let load_s = t.elapsed().as_secs_f64();
     let (rss_after_load, hwm_after_load) = (status_kib("VmRSS:"), status_kib("VmHWM:"));
     let train_peak_known = reset_peak_rss();
@@ -296,6 +308,10 @@ fn rust_side(side: Side, dir: &Path, args: &Args) -> Result<Value> {
     cmd.arg("--batch").arg(args.batch.to_string());
     cmd.arg("--mixed-precision")
         .arg(args.mixed_precision.to_string());
+    cmd.arg("--lora-r").arg(args.lora_r.to_string());
+    if args.gradient_checkpointing {
+        cmd.arg("--gradient-checkpointing");
+    }
     cmd.arg("--child").arg(match side {
         Side::Lora => "lora",
         Side::Full => "full",
@@ -337,7 +353,10 @@ fn peft_side(dir: &Path, args: &Args, qlora: bool) -> std::result::Result<Value,
     cmd.arg("--steps").arg(args.steps.to_string());
     cmd.arg("--seq-len").arg(args.seq_len.to_string());
     cmd.arg("--batch").arg(args.batch.to_string());
-    cmd.arg("--r").arg(LORA_R.to_string());
+    cmd.arg("--r").arg(args.lora_r.to_string());
+    if args.gradient_checkpointing {
+        cmd.arg("--gradient-checkpointing");
+    }
     cmd.arg("--alpha").arg(LORA_ALPHA.to_string());
     cmd.arg("--targets").arg(LORA_TARGETS);
     cmd.arg("--lr").arg(LR.to_string());
@@ -401,7 +420,11 @@ fn main() -> Result<()> {
         }
     }
     let lora = rust_side(Side::Lora, &dir, &args)?;
-    let full = rust_side(Side::Full, &dir, &args)?;
+    let full = if args.no_full {
+        Value::Null
+    } else {
+        rust_side(Side::Full, &dir, &args)?
+    };
     let peft = peft_side(&dir, &args, false);
     if let Err(reason) = &peft {
         if !args.no_python {
@@ -416,7 +439,8 @@ fn main() -> Result<()> {
         "warmup_steps": 1,
         "batch": args.batch,
         "seq_len": args.seq_len,
-        "lora": { "r": LORA_R, "alpha": LORA_ALPHA, "targets": LORA_TARGETS, "lr": LR },
+        "lora": { "r": args.lora_r, "alpha": LORA_ALPHA, "targets": LORA_TARGETS, "lr": LR },
+        "gradient_checkpointing": args.gradient_checkpointing,
         "mixed_precision": args.mixed_precision.to_string(),
         "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
         "accel_rs_lora": lora,

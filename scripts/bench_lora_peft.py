@@ -46,6 +46,7 @@ def main():
     p.add_argument("--targets", default="q_proj,v_proj")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument(
         "--load-in-4bit",
         action="store_true",
@@ -82,6 +83,9 @@ def main():
         target_modules=a.targets.split(","),
         task_type="CAUSAL_LM",
     )
+    if a.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
     model = get_peft_model(model, config)
     model.train()
     load_s = time.perf_counter() - t
