@@ -36,12 +36,27 @@ pub(super) fn forward(x: &[f32], n: usize, w: &[bf16], out: usize, inp: usize) -
     let pack = |i0: usize, rows: usize, (k0, kc): (usize, usize)| {
         let pairs = kc.div_ceil(2);
         let mut panels = vec![0u32; rows.div_ceil(MR) * pairs * MR];
-        for r in 0..rows {
-            let row = &w[(i0 + r) * inp + k0..][..kc];
-            let panel = &mut panels[r / MR * pairs * MR..][..pairs * MR];
-            for (p, two) in row.chunks(2).enumerate() {
-                let hi = two.get(1).copied().unwrap_or(bf16::ZERO);
-                panel[p * MR + r % MR] = pair(two[0], hi);
+        // A panel is written in order, one pair of each of its `MR` rows
+        // at a time: the rows are read as `MR` forward streams. (Row by
+        // row, every write landed `MR` pairs past the last, a cache line
+        // apart: that packing was 18% of a bf16 LoRA step's CPU time.)
+        for (b, panel) in panels.chunks_mut(pairs * MR).enumerate() {
+            let live = MR.min(rows - b * MR);
+            let mut src: Vec<_> = (0..live)
+                .map(|r| w[(i0 + b * MR + r) * inp + k0..][..kc].chunks_exact(2))
+                .collect();
+            let mut dsts = panel.chunks_exact_mut(MR);
+            for dst in dsts.by_ref().take(kc / 2) {
+                for (d, s) in dst.iter_mut().zip(src.iter_mut()) {
+                    let two = s.next().unwrap_or(&[bf16::ZERO; 2]);
+                    *d = pair(two[0], two[1]);
+                }
+            }
+            if kc % 2 == 1 {
+                let last = dsts.next().expect("a panel holds every pair");
+                for (d, s) in last.iter_mut().zip(&src) {
+                    *d = pair(s.remainder()[0], bf16::ZERO);
+                }
             }
         }
         panels
