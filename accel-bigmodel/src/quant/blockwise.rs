@@ -144,7 +144,7 @@ pub struct NestedAbsmax {
 
 impl NestedAbsmax {
     /// Double quantization of `absmax`; the offset is their mean as torch
-    /// computes it (see [`super::torch_sum`]).
+    /// computes it (see `torch_sum`).
     pub fn quantize(absmax: &[f32]) -> Self {
         let offset = super::torch_sum::torch_mean(absmax);
         let centred: Vec<f32> = absmax.iter().map(|&v| v - offset).collect();

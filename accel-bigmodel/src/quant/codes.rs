@@ -87,7 +87,8 @@ const DYNAMIC_BITS: [u32; 256] = [
     0x3f68999a, 0x3f6c3333, 0x3f6fcccd, 0x3f736666, 0x3f770000, 0x3f7a999a, 0x3f7e3333, 0x3f800000,
 ];
 
-/// [`DYNAMIC_BITS`] as values.
+/// The signed 8-bit dynamic map (`create_dynamic_map(signed=True)`), sorted:
+/// 256 values in [-1, 1], bitsandbytes' own f32 values.
 pub fn dynamic_map() -> [f32; 256] {
     DYNAMIC_BITS.map(f32::from_bits)
 }

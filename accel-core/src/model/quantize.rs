@@ -42,22 +42,13 @@ pub fn quantize_pretrained(
         .map(|m| format!("{m}.weight"))
         .collect();
     std::fs::create_dir_all(out).map_err(|e| Error::io("creating", out, e))?;
-    let mut written =
+    let written =
         crate::checkpoint::save_sharded_as(out, "model", &tensors, limit, &|n| int8.contains(n))?;
-    let config_path = out.join("config.json");
     let mut cfg = crate::checkpoint::read_json(model_dir.join("config.json"))?;
     if let Value::Object(map) = &mut cfg {
         map.insert("quantization_config".into(), config.to_transformers_json());
     }
-    crate::checkpoint::write_json(&config_path, &cfg)?;
-    written.push(config_path);
-    let carried: Vec<&str> = super::CARRIED_FILES
-        .iter()
-        .copied()
-        .filter(|f| *f != "config.json")
-        .collect();
-    written.extend(super::pretrained::copy_files(model_dir, out, &carried)?);
-    Ok(written)
+    finish_folder(model_dir, out, &cfg, written)
 }
 
 /// The float dtype holding most of a checkpoint's values: what its
@@ -126,7 +117,7 @@ pub(super) fn merge_into_quantized(
         tensors.insert(name.to_string(), t);
     }
     std::fs::create_dir_all(out).map_err(|e| Error::io("creating", out, e))?;
-    let mut written = crate::checkpoint::save_model(out, &tensors, limit)?;
+    let written = crate::checkpoint::save_model(out, &tensors, limit)?;
     if let Value::Object(map) = &mut cfg {
         map.remove("quantization_config");
         map.insert(
@@ -134,8 +125,20 @@ pub(super) fn merge_into_quantized(
             accel_bigmodel::quant::torch_dtype_name(dtype).into(),
         );
     }
+    finish_folder(model_dir, out, &cfg, written)
+}
+
+/// Writes `cfg` as `out`'s `config.json` and copies the tokenizer and
+/// generation files from `model_dir`: the rest of a Hugging Face folder
+/// after its weights (`written`, to which the new paths are added).
+fn finish_folder(
+    model_dir: &Path,
+    out: &Path,
+    cfg: &Value,
+    mut written: Vec<PathBuf>,
+) -> Result<Vec<PathBuf>> {
     let config_path = out.join("config.json");
-    crate::checkpoint::write_json(&config_path, &cfg)?;
+    crate::checkpoint::write_json(&config_path, cfg)?;
     written.push(config_path);
     let carried: Vec<&str> = super::CARRIED_FILES
         .iter()
