@@ -26,22 +26,7 @@ pub(crate) fn model_tree(
     buffers: &[Buffer],
     empty_modules: &[(&str, &str)],
 ) -> accel_nn::Result<ModuleTree> {
-    // As `Model::tree`: a quantized weight's maxima and state are no
-    // parameters, and its codes keep their own dtype whatever `dtype` says.
-    let tensors = model
-        .named_tensors()
-        .into_iter()
-        .filter(|(n, _)| !accel_bigmodel::quant::is_quant_part(n))
-        .map(|(n, v)| {
-            let own = v.dtype();
-            let d = DTypeName::try_from(if own.is_float() {
-                dtype.unwrap_or(own)
-            } else {
-                own
-            })?;
-            Ok((n, v.dims().to_vec(), d))
-        })
-        .collect::<accel_nn::Result<Vec<_>>>()?;
+    let tensors = model.tree_tensors(dtype)?;
     let mut tree = ModuleTree::new(None);
     let mut pending: Vec<_> = empty_modules.to_vec();
     for (name, shape, dt) in tensors {

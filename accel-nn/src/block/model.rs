@@ -30,21 +30,20 @@ pub trait Model {
         all.filter(|(n, _)| seen.insert(n.clone())).collect()
     }
 
-    /// The model as a [`ModuleTree`] for planning: weights as parameters in
-    /// block order, block class names set, weights typed as `dtype` when given.
+    /// The tensors a planning tree holds, in block order: name, shape and
+    /// the dtype they are sized as (`dtype` when given, for float tensors).
+    ///
+    /// A quantized weight's maxima and state are no parameters of the
+    /// module (attributes of bitsandbytes' `Params4bit`): Accelerate's sizes
+    /// count the packed codes alone, which keep their own dtype.
     ///
     /// # Errors
-    /// A dtype torch lacks, a name used for both a module and a weight.
-    fn tree(&self, dtype: Option<DType>) -> Result<ModuleTree> {
-        // A quantized weight's maxima and state are no parameters of the
-        // module (attributes of bitsandbytes' `Params4bit`): Accelerate's
-        // sizes count the packed codes alone, and so does this tree.
-        let tensors = self
-            .named_tensors()
+    /// A dtype torch lacks.
+    fn tree_tensors(&self, dtype: Option<DType>) -> Result<Vec<(String, Vec<usize>, DTypeName)>> {
+        self.named_tensors()
             .into_iter()
             .filter(|(n, _)| !accel_bigmodel::quant::is_quant_part(n))
             .map(|(n, v)| {
-                // A quantized weight's codes keep their dtype whatever `dtype` says.
                 let own = v.dtype();
                 let d = DTypeName::try_from(if own.is_float() {
                     dtype.unwrap_or(own)
@@ -53,8 +52,16 @@ pub trait Model {
                 })?;
                 Ok((n, v.dims().to_vec(), d))
             })
-            .collect::<Result<Vec<_>>>()?;
-        let mut tree = ModuleTree::from_tensors(tensors)?;
+            .collect()
+    }
+
+    /// The model as a [`ModuleTree`] for planning: weights as parameters in
+    /// block order, block class names set, weights typed as `dtype` when given.
+    ///
+    /// # Errors
+    /// A dtype torch lacks, a name used for both a module and a weight.
+    fn tree(&self, dtype: Option<DType>) -> Result<ModuleTree> {
+        let mut tree = ModuleTree::from_tensors(self.tree_tensors(dtype)?)?;
         for block in self.blocks() {
             let name = block.name();
             if !block.class_name().is_empty() && tree.module_id(&name).is_some() {
