@@ -24,6 +24,7 @@ use candle_nn::VarMap;
 
 use accel_bigmodel::{placeholder, CheckpointSource};
 
+use crate::fsdp::frozen::{tensor_bytes, FrozenPiece};
 use crate::rng::{fnv1a, SplitMix64};
 
 /// fp32 master weights drawn by [`SeededBackend`] for parameters created in a lower precision.
@@ -50,11 +51,15 @@ pub(crate) struct FullVars {
 
 /// Keeps only this rank's fp32 piece of each parameter (split between
 /// `world` ranks); the model gets a [`placeholder`] of the full shape.
+/// The parts of a quantized weight (codes, block maxima, states) are kept
+/// apart, as this rank's chunk of their bytes in `frozen`: they never train
+/// (see `fsdp::frozen`).
 pub(crate) struct Pieces {
     pub world: usize,
     pub rank: usize,
     pub master_device: Device,
     pub drawn: Arc<Mutex<Vec<DrawnPiece>>>,
+    pub frozen: Arc<Mutex<Vec<FrozenPiece>>>,
 }
 
 /// Selects the parameters a model is prepared with frozen.
@@ -264,12 +269,8 @@ impl Pieces {
             }
             return placeholder(s, dtype, dev);
         }
-        if !dtype.is_float() {
-            candle_core::bail!(
-                "parameter `{name}` is {dtype:?}, a quantized weight's part: FSDP does not shard \
-                 quantized weights yet; train the adapters with DDP (distributed_type \
-                 MULTI_CPU/MULTI_GPU) or in one process"
-            )
+        if !dtype.is_float() || accel_bigmodel::quant::is_quant_part(name) {
+            return self.frozen_part(init, s, name, h, dtype, dev);
         }
         // Every rank draws the same full values (seed and name only, or the
         // checkpoint), so the pieces are exactly those a replicated run
@@ -280,6 +281,40 @@ impl Pieces {
         let r = accel_dist::fsdp::piece_range(full.elem_count(), self.world, self.rank);
         let piece = full.narrow(0, r.start, r.len())?.copy()?;
         drawn.push((name.to_string(), s.clone(), piece));
+        placeholder(s, dtype, dev)
+    }
+}
+
+impl Pieces {
+    /// A quantized weight's part: its bytes cut as any parameter's elements,
+    /// this rank's chunk kept in its own dtype's bytes (never as an fp32
+    /// piece: a code is no float, and an absmax must not be rounded).
+    fn frozen_part(
+        &self,
+        init: &SeededBackend,
+        s: Shape,
+        name: &str,
+        h: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let mut frozen = self.frozen.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, shape, _, _)) = frozen.iter().find(|(n, ..)| n == name) {
+            if shape != &s {
+                candle_core::bail!("parameter `{name}` requested with shape {s:?} but it exists with shape {shape:?}");
+            }
+            return placeholder(s, dtype, dev);
+        }
+        if init.from.is_none() {
+            candle_core::bail!(
+                "parameter `{name}` is {dtype:?}, a quantized weight's part: it can only be read \
+                 from a checkpoint, not drawn"
+            )
+        }
+        let bytes = tensor_bytes(&init.initial_as(name, h, &s, &Device::Cpu, dtype)?)?;
+        let r = accel_dist::fsdp::piece_range(bytes.len(), self.world, self.rank);
+        let piece = Tensor::from_vec(bytes[r.clone()].to_vec(), r.len(), &Device::Cpu)?;
+        frozen.push((name.to_string(), s.clone(), dtype, piece));
         placeholder(s, dtype, dev)
     }
 }

@@ -241,11 +241,16 @@ pub(crate) fn setup_line(
 /// A parameter the checkpoint does not hold.
 fn parameter_counts(params: &PreparedModel, dir: &Path) -> Result<(usize, usize)> {
     let source = accel_core::bigmodel::CheckpointSource::open(dir)?;
-    let frozen: std::collections::HashSet<String> =
-        params.frozen_parameters().into_iter().collect();
+    let sharded = params.sharded_quantized_names();
+    let frozen: std::collections::HashSet<String> = params
+        .frozen_parameters()
+        .into_iter()
+        .chain(sharded.iter().cloned())
+        .collect();
     let (mut trainable, mut all) = (0, 0);
     let lora_r = params.adapter_config().map_or(0, |c| c.r);
-    for name in params.names() {
+    // Under FSDP a quantized base's codes are kept apart from the parameters.
+    for name in params.names().into_iter().chain(sharded) {
         if accel_core::bigmodel::quant::is_quant_part(&name) {
             // A quantized weight's state: no parameter of the model.
             continue;
@@ -367,10 +372,12 @@ fn prepare_unchecked(
         let (model, params) = acc
             .prepare_lora_quantized(dir, spec, quantize, |vb| build(cfg, vb))
             .with_context(loading)?;
-        let sharding = acc.config().fsdp.as_ref().map_or(
-            Value::Null,
-            |p| json!({ "strategy": p.sharding_strategy.name() }),
-        );
+        let sharding = acc.config().fsdp.as_ref().map_or(Value::Null, |p| {
+            json!({
+                "strategy": p.sharding_strategy.name(),
+                "quantized_bytes_per_rank": params.sharded_quantized_bytes(),
+            })
+        });
         // Adapters train: their dropout is on from here.
         spec.set_training(true);
         return Ok((model, params, sharding));

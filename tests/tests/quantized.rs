@@ -268,7 +268,9 @@ fn qlora_trains_peft_s_adapters_on_the_four_bit_base() {
     );
 }
 
-/// Data-parallel QLoRA: two ranks print the one-process losses.
+/// QLoRA at two ranks prints the one-process losses: data-parallel, and
+/// under FSDP with the 4-bit base sharded (each rank keeps half of the packed
+/// codes and block maxima, gathered per decoder layer as it runs).
 #[test]
 fn qlora_at_two_ranks_gives_the_one_rank_losses() {
     let (_tmp, dir) = qlora_model();
@@ -283,19 +285,55 @@ fn qlora_at_two_ranks_gives_the_one_rank_losses() {
     args(&mut one);
     let (ok, out, err) = accel_tests::run_program(one, None);
     assert!(ok, "{err}");
-    let (_, single) = accel_tests::parse_run(&out);
-    let mut two = std::process::Command::new(LAUNCH);
-    two.args(["launch", "--num_processes", "2", "--cpu"])
-        .arg(WORKER);
-    args(&mut two);
-    let (ok, out, err) = accel_tests::run_program(two, None);
-    assert!(ok, "{err}\n{out}");
-    let (setup, double) = accel_tests::parse_run(&out);
-    assert_eq!(setup["world_size"], 2);
+    let (single_setup, single) = accel_tests::parse_run(&out);
     assert!(single[3] < single[0]);
-    for (a, b) in single.iter().zip(&double) {
-        assert!((a - b).abs() < 1e-5, "{single:?} vs {double:?}");
+    let fsdp = dir.join("fsdp.yaml");
+    std::fs::write(
+        &fsdp,
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: 'no'\n\
+         num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\nfsdp_config:\n  \
+         fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_sharding_strategy: FULL_SHARD\n  \
+         fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n",
+    )
+    .unwrap();
+    let fsdp = fsdp.display().to_string();
+    let mut bytes = vec![];
+    for launch in [
+        vec!["--num_processes", "2", "--cpu"],
+        vec!["--config_file", &fsdp],
+        vec!["--config_file", &fsdp, "--num_processes", "1"],
+    ] {
+        let mut cmd = std::process::Command::new(LAUNCH);
+        cmd.arg("launch").args(&launch).arg(WORKER);
+        args(&mut cmd);
+        let (ok, out, err) = accel_tests::run_program(cmd, None);
+        assert!(ok, "{launch:?}: {err}\n{out}");
+        let (setup, losses) = accel_tests::parse_run(&out);
+        assert_eq!(
+            setup["all_parameters"], single_setup["all_parameters"],
+            "{launch:?}"
+        );
+        assert_eq!(
+            setup["trainable_parameters"], single_setup["trainable_parameters"],
+            "{launch:?}"
+        );
+        for (a, b) in single.iter().zip(&losses) {
+            assert!((a - b).abs() < 1e-5, "{launch:?}: {single:?} vs {losses:?}");
+        }
+        if let Some(b) = setup["sharding"]["quantized_bytes_per_rank"].as_u64() {
+            bytes.push((setup["world_size"].as_u64().unwrap(), b));
+        }
     }
+    // One rank holds every packed byte; each of two, half of them (chunks
+    // round up per tensor, a few bytes each).
+    let [(2, half), (1, whole)] = bytes[..] else {
+        panic!("{bytes:?}")
+    };
+    assert!(whole > 10_000, "{whole}");
+    assert!(
+        half >= whole / 2 && half < whole / 2 + 1_000,
+        "{half} of {whole}"
+    );
 }
 
 /// A quantized base without adapters, both widths at once, and bad values

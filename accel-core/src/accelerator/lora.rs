@@ -48,8 +48,11 @@ impl Accelerator {
     ///
     /// # Errors
     /// Those of [`Accelerator::prepare_lora`]; a checkpoint already
-    /// quantized; a sharded (FSDP) run, which does not shard quantized
-    /// weights yet.
+    /// quantized.
+    ///
+    /// Under FSDP the packed parts are sharded by bytes beside the fp32
+    /// pieces (each rank keeps `1 / world` of them) and gathered per unit as
+    /// it runs; they take no part in the gradient reductions.
     pub fn prepare_lora_quantized<M: Model, E: Into<Error>>(
         &mut self,
         checkpoint: impl AsRef<Path>,

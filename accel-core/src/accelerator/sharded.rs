@@ -169,6 +169,7 @@ impl Accelerator {
             self.comm().broadcast_object_list(&mut seed, 0)?;
         }
         let drawn = Arc::new(Mutex::new(vec![]));
+        let frozen = Arc::new(Mutex::new(vec![]));
         let backend = SeededBackend {
             seed: seed[0],
             keep: Keep::Piece(Pieces {
@@ -176,6 +177,7 @@ impl Accelerator {
                 rank,
                 master_device: master_device.clone(),
                 drawn: drawn.clone(),
+                frozen: frozen.clone(),
             }),
             from,
             // Pieces are fp32 masters; frozen ones are only left untrained.
@@ -188,13 +190,15 @@ impl Accelerator {
         );
         let user_model = build(vb).map_err(Into::into)?;
         let pieces = std::mem::take(&mut *drawn.lock().unwrap_or_else(|e| e.into_inner()));
+        let frozen = std::mem::take(&mut *frozen.lock().unwrap_or_else(|e| e.into_inner()));
         let sizes: Vec<(String, usize)> = pieces
             .iter()
             .map(|(n, s, _)| (n.clone(), s.elem_count()))
+            .chain(frozen.iter().map(|(n, s, ..)| (n.clone(), s.elem_count())))
             .collect();
         let unit_of = plan_units(&user_model, &sizes, &plugin.auto_wrap_policy)?;
         let model = FsdpModel::new(
-            pieces,
+            (pieces, frozen),
             &unit_of,
             &plugin,
             self.comm.clone(),

@@ -52,6 +52,7 @@
 //! ```
 
 mod blocks;
+pub(crate) mod frozen;
 mod model;
 mod plugin;
 pub(crate) mod sharding;

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Shape, Tensor, Var};
 use accel_dist::fsdp::{ShardLayout, ShardingStrategy};
 use accel_dist::Communicator;
 
+use super::frozen::{FrozenParts, FrozenPiece};
 use super::plugin::FullyShardedDataParallelPlugin;
 use super::sharding::{lock, Sharding, Unit};
 use super::sync::Sharded;
@@ -46,8 +47,10 @@ impl std::fmt::Debug for FsdpModel {
 impl FsdpModel {
     /// Shards the drawn `pieces` (name, full shape, this rank's fp32 piece)
     /// into units as `plugin` says.
+    /// The parts of quantized weights in `frozen` are sharded by bytes
+    /// beside them, into the same units (see `frozen.rs`).
     pub(crate) fn new(
-        mut pieces: Vec<(String, Shape, Tensor)>,
+        (mut pieces, mut frozen): (Vec<(String, Shape, Tensor)>, Vec<FrozenPiece>),
         unit_of: &HashMap<String, String>,
         plugin: &FullyShardedDataParallelPlugin,
         comm: Arc<dyn Communicator>,
@@ -58,7 +61,25 @@ impl FsdpModel {
         pieces.sort_by(|a, b| a.0.cmp(&b.0));
         let names: Vec<String> = pieces.iter().map(|p| p.0.clone()).collect();
         let (world, rank) = plugin.shard_group(comm.world_size(), comm.rank());
-        let units = group_by_unit(&names, unit_of)
+        frozen.sort_by(|a, b| a.0.cmp(&b.0));
+        let frozen_names: Vec<String> = frozen.iter().map(|p| p.0.clone()).collect();
+        let mut grouped = group_by_unit(&names, unit_of);
+        for (prefix, _) in group_by_unit(&frozen_names, unit_of) {
+            if !grouped.iter().any(|(p, _)| *p == prefix) {
+                grouped.push((prefix, vec![]));
+            }
+        }
+        // The root unit ("") first, as everywhere.
+        grouped.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut frozen_units = Vec::with_capacity(grouped.len());
+        for (prefix, _) in &grouped {
+            let (mine, rest) = std::mem::take(&mut frozen)
+                .into_iter()
+                .partition(|p| unit_of.get(&p.0).map_or("", String::as_str) == prefix);
+            frozen = rest;
+            frozen_units.push(FrozenParts::new(mine, world, rank)?);
+        }
+        let units = grouped
             .into_iter()
             .map(|(prefix, ids)| {
                 let params: Vec<(String, Shape)> = ids
@@ -87,7 +108,7 @@ impl FsdpModel {
             plugin,
             (param_dtype, reduce_dtype),
             (device, master_device),
-            units,
+            (units, frozen_units),
             names.len(),
         ));
         let vars = pieces
@@ -121,6 +142,12 @@ impl FsdpModel {
     /// model under `ShardOptimizer`/`NoShard`, nothing under ZeRO-2/3.
     pub fn resident_full_parameter_bytes(&self) -> usize {
         self.sharding.persistent_bytes()
+    }
+
+    /// Bytes of the quantized base's packed parts (codes, block maxima) this
+    /// rank keeps: its `1 / world` share, gathered per unit as it runs.
+    pub fn frozen_quantized_bytes(&self) -> usize {
+        self.sharding.frozen_bytes()
     }
 
     /// Loads pretrained full weights into the shards: `checkpoint` is a
@@ -222,13 +249,14 @@ impl FsdpModel {
         tensors: &[Tensor],
     ) -> accel_nn::Result<ModuleWeights> {
         let unit = &self.sharding.units[u];
-        let named = unit
+        let mut named: Vec<(String, Tensor)> = unit
             .layout
             .slots()
             .iter()
             .zip(tensors)
             .map(|(s, t)| (s.name.clone(), t.clone()))
             .collect();
+        named.extend(self.sharding.frozen_full(u).map_err(wrap)?);
         Ok(ModuleWeights::new(unit.prefix.clone(), named)?)
     }
 

@@ -11,9 +11,13 @@ use candle_core::{DType, Device, Tensor, Var};
 use accel_dist::fsdp::{ShardLayout, ShardingStrategy};
 use accel_dist::{Communicator, ReduceOp};
 
+use super::frozen::FrozenParts;
 use super::plugin::{FullyShardedDataParallelPlugin, StateDictType};
 use crate::model::PreparedModel;
 use crate::{Error, Result};
+
+/// Tensors by full name.
+type NamedTensors = Vec<(String, Tensor)>;
 
 /// One separately gathered group of parameters.
 #[derive(Debug)]
@@ -54,6 +58,11 @@ pub(crate) struct Sharding {
     pub(crate) live: Mutex<BTreeMap<usize, Vec<Tensor>>>,
     /// `ShardGradOp`: parameters a unit gathered for its forward, kept for its backward.
     pub(crate) kept: Mutex<BTreeMap<usize, Vec<Tensor>>>,
+    /// Each unit's quantized parts, sharded by bytes.
+    frozen: Vec<FrozenParts>,
+    /// Gathered quantized parts kept: every unit's when the strategy keeps
+    /// full parameters, else the root's for the current forward.
+    frozen_kept: Mutex<Vec<Option<NamedTensors>>>,
 }
 
 impl std::fmt::Debug for Sharding {
@@ -76,7 +85,7 @@ impl Sharding {
         plugin: &FullyShardedDataParallelPlugin,
         (param_dtype, reduce_dtype): (DType, DType),
         (device, master_device): (Device, Device),
-        units: Vec<Unit>,
+        (units, frozen): (Vec<Unit>, Vec<FrozenParts>),
         num_params: usize,
     ) -> Self {
         let mut slot_of = vec![(0, 0); num_params];
@@ -101,6 +110,48 @@ impl Sharding {
             persistent: Mutex::new(vec![None; n]),
             live: Mutex::new(BTreeMap::new()),
             kept: Mutex::new(BTreeMap::new()),
+            frozen,
+            frozen_kept: Mutex::new(vec![None; n]),
+        }
+    }
+
+    /// The quantized parts of unit `u`, whole, on the compute device: gathered
+    /// now (every rank calls this at the same points of the forward and the
+    /// recomputing backward), or kept from an earlier gather where the
+    /// strategy keeps full parameters or the root already has them this forward.
+    pub fn frozen_full(&self, u: usize) -> Result<NamedTensors> {
+        let parts = &self.frozen[u];
+        if parts.is_empty() {
+            return Ok(vec![]);
+        }
+        let keep = u == 0 || self.strategy.keeps_full_parameters();
+        if keep {
+            if let Some(t) = &lock(&self.frozen_kept)[u] {
+                return Ok(t.clone());
+            }
+        }
+        let full = parts.gather(&*self.comm, &self.device)?;
+        if keep {
+            lock(&self.frozen_kept)[u] = Some(full.clone());
+        }
+        Ok(full)
+    }
+
+    /// Names of the quantized parts, every unit's.
+    pub fn frozen_names(&self) -> Vec<String> {
+        self.frozen.iter().flat_map(FrozenParts::names).collect()
+    }
+
+    /// Bytes of quantized parts this rank keeps sharded.
+    pub fn frozen_bytes(&self) -> usize {
+        self.frozen.iter().map(FrozenParts::local_bytes).sum()
+    }
+
+    /// Lets go of the root's gathered quantized parts once its forward's
+    /// parameters are stale (the full-parameter strategies keep theirs).
+    fn release_root_frozen(&self) {
+        if !self.strategy.keeps_full_parameters() {
+            lock(&self.frozen_kept)[0] = None;
         }
     }
 
@@ -175,6 +226,7 @@ impl Sharding {
         lock(&self.kept).clear();
         // Parameters handed out before this step are stale now.
         lock(&self.live).clear();
+        self.release_root_frozen();
         if !self.strategy.keeps_full_parameters() {
             return Ok(());
         }
@@ -295,6 +347,7 @@ impl Sharding {
         }
         // Units whose backward never ran (a forward without loss) let go here.
         lock(&self.kept).clear();
+        self.release_root_frozen();
         Ok(())
     }
 }

@@ -45,6 +45,10 @@ impl SyncStrategy for Sharded {
         self.sharding.refresh(&masters)
     }
 
+    fn sharded_quantized(&self) -> Option<(Vec<String>, usize)> {
+        Some((self.sharding.frozen_names(), self.sharding.frozen_bytes()))
+    }
+
     fn holds_pieces(&self) -> bool {
         true
     }

@@ -119,6 +119,13 @@ pub(crate) trait SyncStrategy: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// The names of a quantized base's packed parts kept sharded apart from
+    /// the parameters (FSDP), and the bytes of them this rank holds; `None`
+    /// where they are not sharded.
+    fn sharded_quantized(&self) -> Option<(Vec<String>, usize)> {
+        None
+    }
+
     /// The full fp32 weights from the masters (gathered from every rank's
     /// pieces when sharded; then a collective).
     fn full_weights(&self, masters: Vec<Tensor>) -> Result<Vec<Tensor>> {
@@ -225,6 +232,21 @@ impl PreparedModel {
     /// True for the parameters of an FSDP model (each rank holds pieces).
     pub fn is_sharded(&self) -> bool {
         self.strategy.holds_pieces()
+    }
+
+    /// Under FSDP, the bytes of the quantized base's packed parts (codes,
+    /// block maxima, states) this rank keeps: its share, `1 / world` of
+    /// them. `None` where the model is not sharded.
+    pub fn sharded_quantized_bytes(&self) -> Option<usize> {
+        self.strategy.sharded_quantized().map(|(_, b)| b)
+    }
+
+    /// Under FSDP, the names of the quantized base's packed parts, which are
+    /// no parameters (they never train) and so are not in [`Self::names`].
+    pub fn sharded_quantized_names(&self) -> Vec<String> {
+        self.strategy
+            .sharded_quantized()
+            .map_or_else(Vec::new, |(n, _)| n)
     }
 
     /// The master tensors of parameters `ids`, detached: what is computed
