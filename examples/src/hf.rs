@@ -78,23 +78,36 @@ pub fn load(dir: &Path, placing: &Placing) -> Result<(AutoModel, DeviceMap)> {
                 [(String::new(), Placement::Cpu)].into_iter().collect(),
             ));
         }
-        _ if quantization.is_some() => bail!(
-            "--load-in-4bit / --load-in-8bit with --max-memory or --device-map: dispatching a \
-             model quantized on load is not built yet; quantize the folder first (accel \
-             quantize) or load it whole"
-        ),
+        (budget, file) if quantization.is_some() => {
+            // Accelerate's load_and_quantize_model: planned over the quantized sizes.
+            let choice = match (budget, file) {
+                (Some(budget), _) => DeviceMapChoice::Auto(
+                    PlanOptions::new(parse_max_memory(budget)?).with_no_split_module_classes([
+                        AutoModel::empty(dir, DType::F32)?.layer_class(),
+                    ]),
+                ),
+                (_, Some(file)) => DeviceMapChoice::Map(read_device_map(file)?),
+                (None, None) => unreachable!("a plain load returned above"),
+            };
+            let opts = LoadDispatchOptions {
+                device_map: choice,
+                dtype: None,
+                offload_folder: placing.offload_folder.clone(),
+                main_device: None,
+                adapter: placing.adapter.clone(),
+            };
+            let config = quantization.expect("checked by the guard");
+            return Ok(accel_core::model::load_and_quantize_model(
+                dir, &config, &opts,
+            )?);
+        }
         (Some(budget), None) => {
             let empty = AutoModel::empty(dir, DType::F32)?;
             let plan = PlanOptions::new(parse_max_memory(budget)?)
                 .with_no_split_module_classes([empty.layer_class()]);
             empty.plan_device_map(&plan)?
         }
-        (None, Some(file)) => {
-            let text = std::fs::read_to_string(file)
-                .with_context(|| format!("reading --device-map {}", file.display()))?;
-            serde_json::from_str(&text)
-                .with_context(|| format!("{}: not a device map", file.display()))?
-        }
+        (None, Some(file)) => read_device_map(file)?,
     };
     let empty = AutoModel::empty(dir, DType::F32)?;
     let opts = LoadDispatchOptions {
@@ -107,6 +120,13 @@ pub fn load(dir: &Path, placing: &Placing) -> Result<(AutoModel, DeviceMap)> {
     drop(empty);
     let (model, _report) = AutoModel::load_dispatched(dir, &opts)?;
     Ok((model, map))
+}
+
+/// The `--device-map` JSON file.
+fn read_device_map(file: &Path) -> Result<DeviceMap> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading --device-map {}", file.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}: not a device map", file.display()))
 }
 
 /// The device map as a JSON object text in the map's order (Python's

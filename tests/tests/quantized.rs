@@ -525,3 +525,60 @@ fn a_quantized_folder_dispatches_with_layers_on_disk() {
         assert!(d < 1e-5, "{name}: {d}");
     }
 }
+
+/// Accelerate's `load_and_quantize_model`: a full-precision folder quantized
+/// on load and dispatched with layers on disk plans as the folder saved
+/// quantized plans, gives transformers + bitsandbytes' logits, keeps the
+/// quantized weights it offloads in the offload folder, and without one
+/// refuses disk parts by name.
+#[test]
+fn quantizing_on_load_dispatches_with_layers_on_disk() {
+    use accel_core::bigmodel::{Placement, PlanOptions};
+    use accel_core::model::load_and_quantize_model;
+    use accel_core::nn::{DeviceMapChoice, LoadDispatchOptions};
+    let dir = fixture("llama");
+    let r = reference(&dir);
+    let budget = vec![
+        (Placement::Cpu, "150KB".into()),
+        (Placement::Disk, "1GB".into()),
+    ];
+    let plan = PlanOptions::new(budget).with_no_split_module_classes(["LlamaDecoderLayer"]);
+    for (q, saved, want) in [
+        (
+            four_bit(QuantType::Nf4, true, DType::F32),
+            "llama-nf4-dq",
+            "4bit_nf4_dq",
+        ),
+        (BnbQuantizationConfig::eight_bit(), "llama-8bit", ""),
+    ] {
+        let offload = tempfile::tempdir().unwrap();
+        let opts = LoadDispatchOptions::new(DeviceMapChoice::Auto(plan.clone()))
+            .with_offload_folder(offload.path());
+        let (model, map) = load_and_quantize_model(&dir, &q, &opts).unwrap();
+        let saved_plan = AutoModel::empty(fixture(saved), DType::F32)
+            .unwrap()
+            .plan_device_map(&plan)
+            .unwrap();
+        assert_eq!(map, saved_plan, "{saved}");
+        assert_eq!(map.get("model.layers"), Some(Placement::Disk), "{map:?}");
+        let got = logits(&model, &ids(&r));
+        let whole =
+            AutoModel::load_quantized(&dir, Some(&q), None, DType::F32, &Device::Cpu).unwrap();
+        assert!(max_diff(&got, &logits(&whole, &ids(&r))) < 1e-6, "{saved}");
+        if !want.is_empty() {
+            assert!(max_diff(&got, &rows(&r[want])) < 1e-3, "{saved}");
+        }
+        assert!(offload.path().join("quantized/model.safetensors").is_file());
+        let err = load_and_quantize_model(
+            &dir,
+            &q,
+            &LoadDispatchOptions::new(DeviceMapChoice::Auto(plan.clone())),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("offload_folder") && err.contains("disk"),
+            "{err}"
+        );
+    }
+}

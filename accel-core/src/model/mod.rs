@@ -25,6 +25,7 @@ mod grads;
 mod load;
 mod pretrained;
 mod quantize;
+mod quantize_dispatch;
 mod reach;
 mod single;
 
@@ -33,6 +34,7 @@ pub(crate) use ddp::Replicated;
 pub(crate) use pretrained::PretrainedSource;
 pub use pretrained::{CARRIED_FILES, TOKENIZER_FILES};
 pub use quantize::quantize_pretrained;
+pub use quantize_dispatch::load_and_quantize_model;
 pub(crate) use single::SingleProcess;
 
 #[derive(Debug)]
