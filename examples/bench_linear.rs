@@ -15,7 +15,7 @@
 
 use std::time::Instant;
 
-use accel_core::nn::ops::linear;
+use accel_core::nn::ops::{bf16_path, linear, with_bf16_path, Bf16Path};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
@@ -106,6 +106,11 @@ fn main() -> Result<()> {
             }
             let flops = 2.0 * (m * k * out) as f64;
             let (ours, candle) = (median(ours), median(candle));
+            let paths = if dtype == DType::BF16 {
+                bf16_paths(&x, &w, args.reps, flops)?
+            } else {
+                serde_json::Value::Null
+            };
             results.push(json!({
                 "k": k,
                 "out": out,
@@ -114,12 +119,99 @@ fn main() -> Result<()> {
                 "candle_gflops": (flops / candle / 1e8).round() / 10.0,
                 "speedup": (candle / ours * 100.0).round() / 100.0,
                 "max_abs_diff": diff,
+                "bf16_paths": paths,
             }));
+        }
+    }
+    let default = bf16_path().name();
+    let (mut won, mut cases) = (0, 0);
+    for r in &results {
+        if let Some(f) = r["bf16_paths"]["fastest_forward_backward"].as_str() {
+            cases += 1;
+            won += usize::from(f == default);
         }
     }
     println!(
         "{}",
-        json!({ "reps": args.reps, "dtype": args.dtype, "results": results })
+        json!({
+            "reps": args.reps,
+            "dtype": args.dtype,
+            "cpu": cpu_name(),
+            "bf16_default_path": default,
+            "bf16_default_fastest_cases": format!("{won}/{cases}"),
+            "results": results,
+        })
     );
     Ok(())
+}
+
+/// Each bf16 path this CPU has, timed on the same tensors, alternating:
+/// the forward, and the forward with the input gradient through the frozen
+/// weight (a LoRA step's product), with the fastest of each named.
+fn bf16_paths(x: &Tensor, w: &Tensor, reps: usize, flops: f64) -> Result<serde_json::Value> {
+    let paths: Vec<Bf16Path> = Bf16Path::ALL
+        .into_iter()
+        .filter(|p| p.available())
+        .collect();
+    let var = candle_core::Var::from_tensor(x)?;
+    let fwd = || -> Result<()> {
+        std::hint::black_box(linear(x, w, None, None)?);
+        Ok(())
+    };
+    let fwd_bwd = || -> Result<()> {
+        let loss = linear(var.as_tensor(), w, None, None)?.sum_all()?;
+        std::hint::black_box(loss.backward()?);
+        Ok(())
+    };
+    let mut times = vec![(Vec::new(), Vec::new()); paths.len()];
+    for rep in 0..reps + 1 {
+        for (i, &p) in paths.iter().enumerate() {
+            let t = Instant::now();
+            with_bf16_path(p, fwd)??;
+            let f = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            with_bf16_path(p, fwd_bwd)??;
+            let fb = t.elapsed().as_secs_f64();
+            // The first round warms each path up, untimed.
+            if rep > 0 {
+                times[i].0.push(f);
+                times[i].1.push(fb);
+            }
+        }
+    }
+    let medians: Vec<(f64, f64)> = times
+        .into_iter()
+        .map(|(f, fb)| (median(f), median(fb)))
+        .collect();
+    let fastest = |pick: fn(&(f64, f64)) -> f64| {
+        paths[medians
+            .iter()
+            .enumerate()
+            .min_by(|a, b| pick(a.1).total_cmp(&pick(b.1)))
+            .map_or(0, |(i, _)| i)]
+        .name()
+    };
+    let gflops = |flops: f64, t: f64| (flops / t / 1e8).round() / 10.0;
+    Ok(json!({
+        "paths": paths.iter().zip(&medians).map(|(p, (f, fb))| json!({
+            "path": p.name(),
+            "forward_gflops": gflops(flops, *f),
+            "forward_backward_gflops": gflops(2.0 * flops, *fb),
+        })).collect::<Vec<_>>(),
+        "fastest_forward": fastest(|m| m.0),
+        "fastest_forward_backward": fastest(|m| m.1),
+    }))
+}
+
+/// The CPU's model name from `/proc/cpuinfo` (Linux), for the record.
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
 }

@@ -25,6 +25,14 @@ pub enum Error {
         second: &'static str,
     },
 
+    // === kernels ===
+    /// A kernel path asked for that this CPU does not have.
+    #[error("bf16 path {path} is not available on this CPU (it lacks the instructions)")]
+    PathUnavailable {
+        /// The path's name.
+        path: &'static str,
+    },
+
     // === big-model mechanisms (weights handles, planning, loading, offload) ===
     /// A hook, weights handle or offload operation failed.
     #[error(transparent)]

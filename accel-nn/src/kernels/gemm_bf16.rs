@@ -20,6 +20,7 @@
 
 use candle_core::DType;
 
+use super::bf16_path::{bf16_path, Bf16Path};
 use super::raw::amx::{self, bf16_bits, HalfRef, OutLayout};
 use super::raw::{bf16_tile, bf16_tile_available, gemm_new, par, MatRef};
 pub(crate) use super::raw::{BF16_MR as MR, BF16_NR as NR};
@@ -77,7 +78,7 @@ pub(crate) fn amx_new((m, n, k): (usize, usize, usize), a: HalfRef, b: HalfRef) 
 /// the f32 sums differs from the f32 gemm (and the gradient before the
 /// product, rounded to bf16 as autocast's bf16 backward has it).
 pub(crate) fn bf16_products(x: DType, w: DType) -> bool {
-    x == DType::BF16 && w == DType::BF16 && available()
+    x == DType::BF16 && w == DType::BF16 && available() && bf16_path() != Bf16Path::F32
 }
 
 /// `a @ b` as a new buffer, with bf16 products when `bf16`.
@@ -94,7 +95,7 @@ pub(crate) fn product(bf16: bool, dims: (usize, usize, usize), a: MatRef, b: Mat
 /// Elsewhere they are converted to f32 first (a weight of the LM head at a
 /// 32 K vocabulary is a 200 MB buffer per pass).
 pub(crate) fn keep_bf16(bf16: bool) -> bool {
-    bf16 && amx()
+    bf16 && amx() && bf16_path() == Bf16Path::Amx
 }
 
 /// `a @ b` as a new buffer, with bf16 products when `bf16`; bf16 operands

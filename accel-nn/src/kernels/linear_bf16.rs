@@ -11,7 +11,7 @@
 use half::bf16;
 
 use super::gemm_bf16::{gemm_new_bf16_packed, Packed, PackedB, MR, NR};
-use super::raw::{amx, bf16_tile_available, par, MatRef};
+use super::raw::{bf16_tile_available, par, MatRef};
 
 /// Rows of `x` from which the products take this path (fewer, decoding,
 /// stay with the skinny kernels).
@@ -20,7 +20,7 @@ pub(super) const MIN_ROWS: usize = 9;
 /// Whether the products run here: AVX-512 BF16 without AMX (AMX reads bf16
 /// operands as they lie already).
 pub(super) fn available() -> bool {
-    bf16_tile_available() && !amx::available()
+    bf16_tile_available() && super::bf16_path::bf16_path() == super::bf16_path::Bf16Path::Avx512Bf16
 }
 
 /// The pair of bf16 values `lo`, `hi` as the microkernel takes it.

@@ -19,7 +19,7 @@ mod quantized;
 mod rope;
 mod softmax;
 
-pub use crate::kernels::{attention_kernel, AttentionKernel};
+pub use crate::kernels::{attention_kernel, bf16_path, with_bf16_path, AttentionKernel, Bf16Path};
 pub use activation::{gelu, gelu_tanh, relu, silu, swiglu, Activation};
 pub use attention::{
     attention_qkv, cuda_flash_attention, scaled_dot_product_attention, AttentionMask,
