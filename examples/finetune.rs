@@ -240,10 +240,12 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
     let cfg = ModelConfig::from_path(dir)?;
     let (vocab, positions) = match &cfg {
         ModelConfig::Llama(c) => (c.vocab_size, c.max_position_embeddings),
+        ModelConfig::Gemma3(c) => (c.vocab_size, c.max_position_embeddings),
         ModelConfig::Gpt2(c) => (c.vocab_size, c.n_positions),
         ModelConfig::Bert(_) => anyhow::bail!(
             "{}: model_type bert is an encoder without a language-model head; --model takes \
-             a causal language model (llama, mistral, qwen2, gpt2)",
+             a causal language model (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, \
+             gemma3_text, gpt2)",
             dir.display()
         ),
     };
@@ -259,6 +261,7 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
         let tok = Tokenizer::for_model(dir, vocab)?;
         let eos = match &cfg {
             ModelConfig::Llama(c) => c.eos_token_ids.first().copied(),
+            ModelConfig::Gemma3(c) => c.eos_token_ids.first().copied(),
             ModelConfig::Gpt2(c) => c.eos_token_id,
             ModelConfig::Bert(_) => None,
         };

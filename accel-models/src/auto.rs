@@ -16,14 +16,16 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::error::bail_input;
-use crate::{Bert, Gpt2, Llama, ModelConfig, Result};
+use crate::{Bert, Gemma3, Gpt2, Llama, ModelConfig, Result};
 
 /// A model of whichever architecture a folder's `config.json` names
 /// (transformers' `AutoModel` / `AutoModelForCausalLM`).
 #[derive(Debug)]
 pub enum AutoModel {
-    /// `llama`, `mistral`, `qwen2`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `mixtral`, `qwen3_moe`.
     Llama(Llama),
+    /// `gemma3_text`, `gemma3` (its text model).
+    Gemma3(Gemma3),
     /// `gpt2`.
     Gpt2(Gpt2),
     /// `bert`.
@@ -38,6 +40,7 @@ impl AutoModel {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder) -> Result<Self> {
         Ok(match cfg {
             ModelConfig::Llama(c) => Self::Llama(Llama::new(c, vb)?),
+            ModelConfig::Gemma3(c) => Self::Gemma3(Gemma3::new(c, vb)?),
             ModelConfig::Gpt2(c) => Self::Gpt2(Gpt2::new(c, vb)?),
             ModelConfig::Bert(c) => Self::Bert(Bert::new(c, vb)?),
         })
@@ -202,6 +205,7 @@ impl AutoModel {
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         match self {
             Self::Llama(m) => m.forward(ids),
+            Self::Gemma3(m) => m.forward(ids),
             Self::Gpt2(m) => m.forward(ids),
             Self::Bert(m) => m.forward(ids, None, None),
         }
@@ -214,6 +218,7 @@ impl AutoModel {
     pub fn loss(&self, ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
         match self {
             Self::Llama(m) => m.loss(ids, labels),
+            Self::Gemma3(m) => m.loss(ids, labels),
             Self::Gpt2(m) => m.loss(ids, labels),
             Self::Bert(_) => bail_input!("loss", "BERT has no language-model head"),
         }
@@ -231,6 +236,7 @@ impl AutoModel {
     ) -> Result<Vec<u32>> {
         match self {
             Self::Llama(m) => m.generate(prompt, max_new_tokens, eos_token_ids),
+            Self::Gemma3(m) => m.generate(prompt, max_new_tokens, eos_token_ids),
             Self::Gpt2(m) => m.generate(prompt, max_new_tokens, eos_token_ids),
             Self::Bert(_) => bail_input!("generate", "BERT is an encoder"),
         }
@@ -240,6 +246,7 @@ impl AutoModel {
     pub fn eos_token_ids(&self) -> Vec<u32> {
         match self {
             Self::Llama(m) => m.config().eos_token_ids.clone(),
+            Self::Gemma3(m) => m.config().eos_token_ids.clone(),
             Self::Gpt2(m) => m.config().eos_token_id.into_iter().collect(),
             Self::Bert(_) => Vec::new(),
         }
@@ -251,6 +258,7 @@ impl AutoModel {
     pub fn layer_class(&self) -> &'static str {
         match self {
             Self::Llama(m) => m.config().family.layer_class(),
+            Self::Gemma3(_) => "Gemma3DecoderLayer",
             Self::Gpt2(_) => "GPT2Block",
             Self::Bert(_) => "BertLayer",
         }
@@ -260,6 +268,7 @@ impl AutoModel {
     pub fn vocab_size(&self) -> usize {
         match self {
             Self::Llama(m) => m.config().vocab_size,
+            Self::Gemma3(m) => m.config().vocab_size,
             Self::Gpt2(m) => m.config().vocab_size,
             Self::Bert(m) => m.config().vocab_size,
         }
@@ -268,6 +277,7 @@ impl AutoModel {
     fn inner(&self) -> &dyn Model {
         match self {
             Self::Llama(m) => m,
+            Self::Gemma3(m) => m,
             Self::Gpt2(m) => m,
             Self::Bert(m) => m,
         }

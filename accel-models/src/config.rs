@@ -8,235 +8,20 @@
 use std::path::{Path, PathBuf};
 
 use accel_bigmodel::lora::LoraConfig;
-use accel_nn::layers::{Activation, Llama3RopeScaling, LoraSpec, QuantSpec};
+use accel_nn::layers::{Activation, LoraSpec, QuantSpec};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
 
+pub use crate::llama_config::{LlamaConfig, LlamaFamily, MoeConfig};
 use crate::{Error, Result};
 
 /// The `model_type`s this crate implements.
-pub const KNOWN_MODEL_TYPES: &str = "llama, mistral, qwen2, gpt2, bert";
-
-/// Which member of the Llama family a [`LlamaConfig`] describes: it decides
-/// the decoder layer's class name and Qwen2's attention biases.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LlamaFamily {
-    /// `model_type: llama` (Llama 2 and 3).
-    Llama,
-    /// `model_type: mistral`.
-    Mistral,
-    /// `model_type: qwen2`: q/k/v projections always have biases.
-    Qwen2,
-}
-
-impl LlamaFamily {
-    /// transformers' decoder layer class, what `no_split_module_classes` and
-    /// `fsdp_transformer_layer_cls_to_wrap` name.
-    pub fn layer_class(self) -> &'static str {
-        match self {
-            LlamaFamily::Llama => "LlamaDecoderLayer",
-            LlamaFamily::Mistral => "MistralDecoderLayer",
-            LlamaFamily::Qwen2 => "Qwen2DecoderLayer",
-        }
-    }
-
-    /// transformers' RMSNorm class of the final norm.
-    pub fn norm_class(self) -> &'static str {
-        match self {
-            LlamaFamily::Llama => "LlamaRMSNorm",
-            LlamaFamily::Mistral => "MistralRMSNorm",
-            LlamaFamily::Qwen2 => "Qwen2RMSNorm",
-        }
-    }
-}
-
-/// Rotary settings as transformers 5 writes them (`rope_parameters`), also
-/// accepted as the older `rope_scaling` dict.
-#[derive(Debug, Clone, Deserialize)]
-struct RopeParameters {
-    #[serde(alias = "type")]
-    rope_type: Option<String>,
-    rope_theta: Option<f64>,
-    factor: Option<f64>,
-    low_freq_factor: Option<f64>,
-    high_freq_factor: Option<f64>,
-    original_max_position_embeddings: Option<usize>,
-}
-
-/// The keys of a Llama, Mistral or Qwen2 `config.json` as read from the file.
-#[derive(Debug, Clone, Deserialize)]
-struct RawLlama {
-    vocab_size: usize,
-    hidden_size: usize,
-    intermediate_size: usize,
-    num_hidden_layers: usize,
-    num_attention_heads: usize,
-    num_key_value_heads: Option<usize>,
-    head_dim: Option<usize>,
-    max_position_embeddings: usize,
-    rms_norm_eps: f64,
-    rope_theta: Option<f64>,
-    rope_scaling: Option<RopeParameters>,
-    rope_parameters: Option<RopeParameters>,
-    #[serde(default)]
-    attention_bias: bool,
-    #[serde(default)]
-    mlp_bias: bool,
-    #[serde(default)]
-    tie_word_embeddings: bool,
-    hidden_act: Option<Activation>,
-    sliding_window: Option<usize>,
-    use_sliding_window: Option<bool>,
-    eos_token_id: Option<Value>,
-}
-
-/// A Llama-family model's shape and options (Llama 2/3, Mistral, Qwen2).
-#[derive(Debug, Clone, PartialEq)]
-pub struct LlamaConfig {
-    /// Which member of the family.
-    pub family: LlamaFamily,
-    /// Token count of the embedding and lm_head.
-    pub vocab_size: usize,
-    /// Width of the residual stream.
-    pub hidden_size: usize,
-    /// Width of the SwiGLU MLP.
-    pub intermediate_size: usize,
-    /// Number of decoder layers.
-    pub num_hidden_layers: usize,
-    /// Query heads.
-    pub num_attention_heads: usize,
-    /// Key/value heads (fewer than query heads: grouped-query attention).
-    pub num_key_value_heads: usize,
-    /// Width of one head.
-    pub head_dim: usize,
-    /// Longest context (size of the rotary tables).
-    pub max_position_embeddings: usize,
-    /// RMSNorm epsilon.
-    pub rms_norm_eps: f64,
-    /// RoPE base.
-    pub rope_theta: f64,
-    /// Llama 3 frequency scaling, when configured.
-    pub rope_scaling: Option<Llama3RopeScaling>,
-    /// Biases on q/k/v (Qwen2 always; Llama's `attention_bias` also on o_proj).
-    pub qkv_bias: bool,
-    /// Bias on o_proj (Llama's `attention_bias`).
-    pub o_bias: bool,
-    /// Biases in the MLP.
-    pub mlp_bias: bool,
-    /// Whether lm_head reuses `model.embed_tokens.weight`.
-    pub tie_word_embeddings: bool,
-    /// Mistral's sliding attention window, when active.
-    pub sliding_window: Option<usize>,
-    /// Token ids that end generation (`eos_token_id`, one or a list).
-    pub eos_token_ids: Vec<u32>,
-    /// LoRA adapters to build on the linear layers (not in `config.json`;
-    /// see [`ModelConfig::set_lora`]).
-    pub lora: Option<LoraSpec>,
-    /// How quantized linear layers compute (`quantization_config`, see
-    /// [`ModelConfig::set_quantization`]).
-    pub quant: Option<QuantSpec>,
-}
-
-impl LlamaConfig {
-    fn from_raw(path: &Path, family: LlamaFamily, raw: RawLlama) -> Result<Self> {
-        let unsupported = |key: &str, reason: String| Error::Unsupported {
-            path: path.to_path_buf(),
-            key: key.to_string(),
-            reason,
-        };
-        if let Some(act) = raw.hidden_act.filter(|a| *a != Activation::Silu) {
-            return Err(unsupported(
-                "hidden_act",
-                format!("{act:?}; the Llama family uses silu"),
-            ));
-        }
-        let heads = raw.num_attention_heads;
-        let kv_heads = raw.num_key_value_heads.unwrap_or(heads);
-        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-            return Err(unsupported(
-                "num_key_value_heads",
-                format!("{kv_heads} does not divide num_attention_heads {heads}"),
-            ));
-        }
-        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / heads);
-        // transformers 5 writes `rope_parameters`; Hub checkpoints carry
-        // `rope_theta` and `rope_scaling`.
-        let (key, rope) = match (&raw.rope_parameters, &raw.rope_scaling) {
-            (Some(p), _) => ("rope_parameters", Some(p)),
-            (None, s) => ("rope_scaling", s.as_ref()),
-        };
-        let rope_theta = rope
-            .and_then(|r| r.rope_theta)
-            .or(raw.rope_theta)
-            .unwrap_or(10_000.0);
-        let rope_scaling = match rope {
-            None => None,
-            Some(r) => match r.rope_type.as_deref() {
-                None | Some("default") => None,
-                Some("llama3") => {
-                    let need = |v: Option<f64>, k: &str| {
-                        v.ok_or_else(|| Error::MissingKey {
-                            path: path.to_path_buf(),
-                            key: format!("{key}.{k}"),
-                        })
-                    };
-                    Some(Llama3RopeScaling {
-                        factor: need(r.factor, "factor")?,
-                        low_freq_factor: need(r.low_freq_factor, "low_freq_factor")?,
-                        high_freq_factor: need(r.high_freq_factor, "high_freq_factor")?,
-                        original_max_position_embeddings: r
-                            .original_max_position_embeddings
-                            .ok_or_else(|| Error::MissingKey {
-                                path: path.to_path_buf(),
-                                key: format!("{key}.original_max_position_embeddings"),
-                            })?,
-                    })
-                }
-                Some(other) => {
-                    return Err(unsupported(
-                        &format!("{key}.rope_type"),
-                        format!("{other:?}; supported: default, llama3"),
-                    ))
-                }
-            },
-        };
-        // Qwen2 keeps a sliding window in its config but uses it only when
-        // `use_sliding_window` is set; Llama has none.
-        let sliding_window = match family {
-            LlamaFamily::Llama => None,
-            LlamaFamily::Mistral => raw.sliding_window,
-            LlamaFamily::Qwen2 => raw
-                .sliding_window
-                .filter(|_| raw.use_sliding_window == Some(true)),
-        };
-        Ok(Self {
-            family,
-            vocab_size: raw.vocab_size,
-            hidden_size: raw.hidden_size,
-            intermediate_size: raw.intermediate_size,
-            num_hidden_layers: raw.num_hidden_layers,
-            num_attention_heads: heads,
-            num_key_value_heads: kv_heads,
-            head_dim,
-            max_position_embeddings: raw.max_position_embeddings,
-            rms_norm_eps: raw.rms_norm_eps,
-            rope_theta,
-            rope_scaling,
-            qkv_bias: family == LlamaFamily::Qwen2 || raw.attention_bias,
-            o_bias: family == LlamaFamily::Llama && raw.attention_bias,
-            mlp_bias: raw.mlp_bias,
-            tie_word_embeddings: raw.tie_word_embeddings,
-            sliding_window,
-            eos_token_ids: token_ids(raw.eos_token_id.as_ref()),
-            lora: None,
-            quant: None,
-        })
-    }
-}
+pub const KNOWN_MODEL_TYPES: &str =
+    "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma3_text, gemma3, gpt2, bert";
 
 /// `eos_token_id` as transformers allows it: absent, null, one id or a list.
-fn token_ids(v: Option<&Value>) -> Vec<u32> {
+pub(crate) fn token_ids(v: Option<&Value>) -> Vec<u32> {
     match v {
         Some(Value::Number(n)) => n.as_u64().map(|n| vec![n as u32]).unwrap_or_default(),
         Some(Value::Array(a)) => a
@@ -348,8 +133,10 @@ fn absolute() -> String {
 /// Any supported `config.json`, by `model_type`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelConfig {
-    /// `llama`, `mistral`, `qwen2`.
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `mixtral`, `qwen3_moe`.
     Llama(LlamaConfig),
+    /// `gemma3_text`, and the text model of a `gemma3` folder.
+    Gemma3(crate::gemma::Gemma3Config),
     /// `gpt2`.
     Gpt2(Gpt2Config),
     /// `bert`.
@@ -367,6 +154,7 @@ impl ModelConfig {
         let spec = LoraSpec::new(config);
         let slot = match self {
             Self::Llama(c) => &mut c.lora,
+            Self::Gemma3(c) => &mut c.lora,
             Self::Gpt2(c) => &mut c.lora,
             Self::Bert(c) => &mut c.lora,
         };
@@ -378,6 +166,7 @@ impl ModelConfig {
     pub fn lora(&self) -> Option<&LoraSpec> {
         match self {
             Self::Llama(c) => c.lora.as_ref(),
+            Self::Gemma3(c) => c.lora.as_ref(),
             Self::Gpt2(c) => c.lora.as_ref(),
             Self::Bert(c) => c.lora.as_ref(),
         }
@@ -422,6 +211,15 @@ impl ModelConfig {
             "llama" => LlamaFamily::Llama,
             "mistral" => LlamaFamily::Mistral,
             "qwen2" => LlamaFamily::Qwen2,
+            "qwen3" => LlamaFamily::Qwen3,
+            "phi3" => LlamaFamily::Phi3,
+            "mixtral" => LlamaFamily::Mixtral,
+            "qwen3_moe" => LlamaFamily::Qwen3Moe,
+            "gemma3_text" | "gemma3" => {
+                return Ok(Self::Gemma3(crate::gemma::Gemma3Config::from_value(
+                    &path, value,
+                )?))
+            }
             "gpt2" => return Ok(Self::Gpt2(parse(&path, value)?)),
             "bert" => {
                 let cfg: BertConfig = parse(&path, value)?;
@@ -442,18 +240,14 @@ impl ModelConfig {
                 })
             }
         };
-        let raw: RawLlama = parse(&path, value)?;
-        Ok(Self::Llama(LlamaConfig::from_raw(&path, family, raw)?))
+        Ok(Self::Llama(LlamaConfig::from_value(&path, family, value)?))
     }
 
     /// The `model_type` string.
     pub fn model_type(&self) -> &'static str {
         match self {
-            ModelConfig::Llama(c) => match c.family {
-                LlamaFamily::Llama => "llama",
-                LlamaFamily::Mistral => "mistral",
-                LlamaFamily::Qwen2 => "qwen2",
-            },
+            ModelConfig::Llama(c) => c.family.model_type(),
+            ModelConfig::Gemma3(_) => "gemma3_text",
             ModelConfig::Gpt2(_) => "gpt2",
             ModelConfig::Bert(_) => "bert",
         }
@@ -463,6 +257,7 @@ impl ModelConfig {
     pub fn vocab_size(&self) -> usize {
         match self {
             ModelConfig::Llama(c) => c.vocab_size,
+            ModelConfig::Gemma3(c) => c.vocab_size,
             ModelConfig::Gpt2(c) => c.vocab_size,
             ModelConfig::Bert(c) => c.vocab_size,
         }
@@ -480,7 +275,7 @@ pub(crate) fn config_path(path: &Path) -> PathBuf {
 
 /// Deserializes `value`, turning serde's "missing field" into
 /// [`Error::MissingKey`] so callers can match on the key.
-fn parse<T: DeserializeOwned>(path: &Path, value: Value) -> Result<T> {
+pub(crate) fn parse<T: DeserializeOwned>(path: &Path, value: Value) -> Result<T> {
     serde_json::from_value(value).map_err(|e| {
         let msg = e.to_string();
         match msg
@@ -553,10 +348,13 @@ mod tests {
         assert_eq!(a, b);
         let ModelConfig::Llama(c) = a else { panic!() };
         assert_eq!(
-            (c.rope_theta, c.head_dim, c.num_key_value_heads),
+            (c.rope.theta, c.head_dim, c.num_key_value_heads),
             (5e5, 4, 1)
         );
-        assert_eq!(c.rope_scaling.unwrap().factor, 8.0);
+        let Some(crate::RopeScaling::Llama3(s)) = c.rope.scaling else {
+            panic!("{:?}", c.rope)
+        };
+        assert_eq!(s.factor, 8.0);
         let bad = format!(r#"{{{base}, "rope_scaling": {{"rope_type": "yarn", "factor": 2.0}}}}"#);
         let e = ModelConfig::from_path(write(dir.path(), &bad)).unwrap_err();
         assert!(e.to_string().contains("rope_scaling.rope_type"), "{e}");

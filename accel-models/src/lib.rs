@@ -53,20 +53,27 @@ mod auto;
 mod bert;
 pub mod config;
 mod decode;
+mod decoder;
 mod error;
+mod gemma;
+mod gemma_config;
 mod gpt2;
 mod llama;
+mod llama_config;
 mod parts;
 mod quantized;
+mod rope;
 mod tokenizer;
 mod tree;
 
 pub use auto::AutoModel;
 pub use bert::{mean_pooling, Bert};
-pub use config::{BertConfig, Gpt2Config, LlamaConfig, LlamaFamily, ModelConfig};
+pub use config::{BertConfig, Gpt2Config, LlamaConfig, LlamaFamily, ModelConfig, MoeConfig};
 pub use error::{Error, Result};
+pub use gemma::{Gemma3, Gemma3Config};
 pub use gpt2::Gpt2;
 pub use llama::Llama;
+pub use rope::{RopeScaling, RopeSpec};
 pub use tokenizer::Tokenizer;
 
 // The unit tests run with weights mapped from checkpoint files, as programs

@@ -10,121 +10,28 @@
 use std::path::Path;
 
 use accel_bigmodel::{CheckpointSource, DTypeName, ModuleTree};
-use accel_nn::block::{Activations, AnyBlock, Block, BlockForward, KvCacheSlot, Model};
-use accel_nn::layers::{
-    linear_b_with, rms_norm, swiglu_mlp_with, Embedding, Linear, RmsNorm, RotaryEmbedding,
-    SwiGluMlp,
-};
-use accel_nn::ops;
-use candle_core::{DType, Device, Module, Tensor};
+use accel_nn::block::{Activations, AnyBlock, Block, KvCacheSlot, Model};
+use accel_nn::layers::{load_balancing_loss, rms_norm, Embedding};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::{Init, VarBuilder};
 
 use crate::config::{LlamaConfig, ModelConfig};
 use crate::decode::{self, CausalLm};
+use crate::decoder::{DecoderLayer, FinalNorm, RouterLog};
 use crate::error::bail_input;
 use crate::parts::{self, LmHead, TokenEmbedding};
 use crate::{Error, Result};
 
-/// One decoder layer: pre-norm grouped-query attention with RoPE, then a
-/// pre-norm SwiGLU MLP, each added to the residual stream.
-struct DecoderLayer {
-    cfg: LlamaConfig,
-    input_layernorm: RmsNorm,
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    post_attention_layernorm: RmsNorm,
-    mlp: SwiGluMlp,
-}
-
-impl DecoderLayer {
-    fn new(cfg: LlamaConfig, vb: VarBuilder) -> candle_core::Result<Self> {
-        let (d, hd) = (cfg.hidden_size, cfg.head_dim);
-        let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
-        let att = vb.pp("self_attn");
-        let (lora, quant) = (cfg.lora.clone(), cfg.quant.clone());
-        let linear_b =
-            |i, o, bias, vb| linear_b_with(i, o, bias, vb, lora.as_ref(), quant.as_ref());
-        Ok(Self {
-            input_layernorm: rms_norm(d, cfg.rms_norm_eps, vb.pp("input_layernorm"))?,
-            q_proj: linear_b(d, q, cfg.qkv_bias, att.pp("q_proj"))?,
-            k_proj: linear_b(d, kv, cfg.qkv_bias, att.pp("k_proj"))?,
-            v_proj: linear_b(d, kv, cfg.qkv_bias, att.pp("v_proj"))?,
-            o_proj: linear_b(q, d, cfg.o_bias, att.pp("o_proj"))?,
-            post_attention_layernorm: rms_norm(
-                d,
-                cfg.rms_norm_eps,
-                vb.pp("post_attention_layernorm"),
-            )?,
-            mlp: swiglu_mlp_with(
-                d,
-                cfg.intermediate_size,
-                cfg.mlp_bias,
-                vb.pp("mlp"),
-                lora.as_ref(),
-                quant.as_ref(),
-            )?,
-            cfg,
-        })
-    }
-
-    fn attention(&self, x: &Activations, h: &Tensor) -> candle_core::Result<Tensor> {
-        let (hd, nh, nkv) = (
-            self.cfg.head_dim,
-            self.cfg.num_attention_heads,
-            self.cfg.num_key_value_heads,
-        );
-        let t = h.dim(1)?;
-        let q = parts::split_heads(&self.q_proj.forward(h)?, nh, hd)?;
-        let k = parts::split_heads(&self.k_proj.forward(h)?, nkv, hd)?;
-        let v = parts::split_heads(&self.v_proj.forward(h)?, nkv, hd)?;
-        let Some((cos, sin)) = &x.rope else {
-            candle_core::bail!("a Llama decoder layer needs rotary tables in Activations::rope")
-        };
-        let (q, k) = (ops::rope(&q, cos, sin)?, ops::rope(&k, cos, sin)?);
-        let (k, v) = match &x.cache {
-            Some(slot) => slot
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .append(&k, &v)?,
-            None => (k, v),
-        };
-        let mask = parts::causal_mask(x, t, k.dim(2)?, self.cfg.sliding_window)?;
-        let y = ops::scaled_dot_product_attention(&q, &k, &v, &mask, 1.0 / (hd as f64).sqrt())?;
-        self.o_proj.forward(&parts::merge_heads(&y)?)
-    }
-}
-
-impl BlockForward for DecoderLayer {
-    fn forward(&self, x: &Activations) -> candle_core::Result<Tensor> {
-        let h = self.input_layernorm.forward(&x.hidden)?;
-        let h = (&x.hidden + self.attention(x, &h)?)?;
-        let m = self
-            .mlp
-            .forward(&self.post_attention_layernorm.forward(&h)?)?;
-        h + m
-    }
-}
-
-/// The final RMSNorm `model.norm`.
-struct FinalNorm(RmsNorm);
-
-impl BlockForward for FinalNorm {
-    fn forward(&self, x: &Activations) -> candle_core::Result<Tensor> {
-        self.0.forward(&x.hidden)
-    }
-}
-
 /// A Llama-family causal language model (`LlamaForCausalLM`,
-/// `MistralForCausalLM`, `Qwen2ForCausalLM`).
+/// `MistralForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`,
+/// `Phi3ForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM`).
 pub struct Llama {
     cfg: LlamaConfig,
     embed_tokens: Block<TokenEmbedding>,
     layers: Vec<Block<DecoderLayer>>,
     norm: Block<FinalNorm>,
     lm_head: Block<LmHead>,
-    inv_freq: Vec<f32>,
+    router_log: RouterLog,
 }
 
 impl std::fmt::Debug for Llama {
@@ -155,12 +62,13 @@ impl Llama {
                 d,
             )))
         })?;
+        let router_log = RouterLog::default();
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
-                let c = cfg.clone();
+                let (c, log) = (cfg.clone(), router_log.clone());
                 let name = format!("model.layers.{i}");
                 Block::new(&vb, &name, cfg.family.layer_class(), move |vb| {
-                    DecoderLayer::new(c.clone(), vb)
+                    DecoderLayer::new(c.clone(), i, log.clone(), vb)
                 })
             })
             .collect::<accel_nn::Result<Vec<_>>>()?;
@@ -182,15 +90,13 @@ impl Llama {
                 })
             })?
         };
-        let inv_freq =
-            RotaryEmbedding::inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
         Ok(Self {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
             norm,
             lm_head,
-            inv_freq,
+            router_log,
         })
     }
 
@@ -208,7 +114,7 @@ impl Llama {
                 return Err(Error::UnknownModelType {
                     path: crate::config::config_path(dir),
                     model_type: other.model_type().into(),
-                    known: "llama, mistral, qwen2",
+                    known: "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe",
                 })
             }
         };
@@ -222,25 +128,6 @@ impl Llama {
     /// The configuration.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
-    }
-
-    /// `(cos, sin)` `[t, head_dim / 2]` for positions `offset..offset + t`,
-    /// computed in f32 as transformers does, then cast to `dtype`.
-    fn rope(
-        &self,
-        offset: usize,
-        t: usize,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<(Tensor, Tensor)> {
-        let angles: Vec<f32> = (offset..offset + t)
-            .flat_map(|p| self.inv_freq.iter().map(move |&f| p as f32 * f))
-            .collect();
-        let angles = Tensor::from_vec(angles, (t, self.inv_freq.len()), device)?;
-        Ok((
-            angles.cos()?.to_dtype(dtype)?,
-            angles.sin()?.to_dtype(dtype)?,
-        ))
     }
 
     /// Runs every block: logits, or with `labels` (already shifted) the loss.
@@ -263,7 +150,11 @@ impl Llama {
         let mut x = Activations::new(ids.clone());
         x.position_offset = offset;
         x.hidden = self.embed_tokens.forward(&x)?;
-        x.rope = Some(self.rope(offset, t, x.hidden.dtype(), x.device())?);
+        x.rope = Some(
+            self.cfg
+                .rope
+                .tables(offset, t, x.hidden.dtype(), x.device())?,
+        );
         for (i, layer) in self.layers.iter().enumerate() {
             let xi = x.with_cache(caches.map(|c| c[i].clone()));
             x.hidden = layer.forward(&xi)?;
@@ -287,8 +178,55 @@ impl Llama {
     ///
     /// # Errors
     /// As [`Llama::forward`]; labels of another dtype.
+    ///
+    /// A mixture of experts with `output_router_logits` adds the
+    /// load-balancing loss times `router_aux_loss_coef`, as transformers does.
     pub fn loss(&self, ids: &Tensor, labels: &Tensor) -> Result<Tensor> {
-        self.run(ids, 0, None, Some(parts::shift_labels(labels)?))
+        let labels = parts::shift_labels(labels)?;
+        let Some(moe) = self.cfg.moe.as_ref().filter(|m| m.output_router_logits) else {
+            return self.run(ids, 0, None, Some(labels));
+        };
+        let (loss, aux) = self.loss_and_aux(ids, labels)?;
+        Ok((loss + (aux * moe.router_aux_loss_coef)?)?)
+    }
+
+    /// The language-model loss and the load-balancing loss of the sparse
+    /// layers (transformers' `aux_loss`), for a mixture of experts.
+    ///
+    /// # Errors
+    /// A model without sparse layers; a decoder layer whose hook recomputes
+    /// it (FSDP, activation checkpointing), through which the router's
+    /// statistics would carry no gradient.
+    pub fn loss_and_aux(&self, ids: &Tensor, labels: Tensor) -> Result<(Tensor, Tensor)> {
+        if self.cfg.moe.is_none() {
+            bail_input!(
+                "loss",
+                "{} has no sparse layers",
+                self.cfg.family.model_type()
+            );
+        }
+        if self
+            .layers
+            .iter()
+            .any(|b| b.with_hook(|h| h.is_some_and(|h| h.wraps_forward())))
+        {
+            bail_input!(
+                "output_router_logits",
+                "the load-balancing loss is collected beside the layers' outputs and would get \
+                 no gradient through a layer that FSDP or activation checkpointing recomputes; \
+                 set output_router_logits to false in config.json for such runs"
+            );
+        }
+        *self.router_log.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+        let loss = self.run(ids, 0, None, Some(labels));
+        let stats = self
+            .router_log
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default();
+        let loss = loss?;
+        Ok((loss, load_balancing_loss(&stats)?))
     }
 
     /// Greedy decoding with a KV cache, as `generate(do_sample=False)`:
@@ -339,7 +277,7 @@ impl Model for Llama {
 
     fn tree(&self, dtype: Option<DType>) -> accel_nn::Result<ModuleTree> {
         // LlamaRotaryEmbedding's two non-persistent buffers, after `model.norm`.
-        let half = vec![self.cfg.head_dim / 2];
+        let half = vec![self.cfg.rope.rotary_dim / 2];
         let buffers = ["inv_freq", "original_inv_freq"].map(|b| {
             (
                 format!("model.rotary_emb.{b}"),

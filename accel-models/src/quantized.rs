@@ -25,6 +25,7 @@ impl ModelConfig {
     pub fn quantization(&self) -> Option<&QuantSpec> {
         match self {
             Self::Llama(c) => c.quant.as_ref(),
+            Self::Gemma3(c) => c.quant.as_ref(),
             Self::Gpt2(c) => c.quant.as_ref(),
             Self::Bert(c) => c.quant.as_ref(),
         }
@@ -33,6 +34,7 @@ impl ModelConfig {
     fn quant_slot(&mut self) -> &mut Option<QuantSpec> {
         match self {
             Self::Llama(c) => &mut c.quant,
+            Self::Gemma3(c) => &mut c.quant,
             Self::Gpt2(c) => &mut c.quant,
             Self::Bert(c) => &mut c.quant,
         }

@@ -155,7 +155,19 @@ fn bert_dispatched_with_disk_offload_matches() {
 
 #[test]
 fn planned_device_maps_equal_accelerates_and_dispatch_to_the_same_logits() {
-    for name in ["llama", "llama3", "mistral", "qwen2", "gpt2", "bert"] {
+    for name in [
+        "llama",
+        "llama3",
+        "mistral",
+        "qwen2",
+        "gpt2",
+        "bert",
+        "qwen3",
+        "gemma3",
+        "phi3",
+        "mixtral",
+        "qwen3_moe",
+    ] {
         let r = reference(name);
         let empty = AutoModel::empty(fixture(name), DType::F32).unwrap();
         for case in r["device_maps"].as_array().unwrap() {

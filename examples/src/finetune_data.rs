@@ -51,6 +51,7 @@ pub fn run(
     let tokenizer = Tokenizer::for_model(&args.model, vocab)?;
     let eos = match cfg {
         ModelConfig::Llama(c) => c.eos_token_ids.first().copied(),
+        ModelConfig::Gemma3(c) => c.eos_token_ids.first().copied(),
         ModelConfig::Gpt2(c) => c.eos_token_id,
         ModelConfig::Bert(_) => None,
     };

@@ -121,12 +121,14 @@ impl Args {
         let Some(r) = self.lora_r else {
             return Ok(None);
         };
+        // PEFT's default target modules per architecture.
         let default = match cfg {
-            ModelConfig::Gpt2(_) => "c_attn",
-            ModelConfig::Bert(_) => "query,value",
-            ModelConfig::Llama(_) => "q_proj,v_proj",
+            ModelConfig::Gpt2(_) => "c_attn".to_string(),
+            ModelConfig::Bert(_) => "query,value".to_string(),
+            ModelConfig::Llama(c) => c.family.default_lora_targets().join(","),
+            ModelConfig::Gemma3(_) => "q_proj,v_proj".to_string(),
         };
-        let targets = LoraTargets::parse(self.lora_target.as_deref().unwrap_or(default))
+        let targets = LoraTargets::parse(self.lora_target.as_deref().unwrap_or(&default))
             .map_err(|e| anyhow::anyhow!("--lora-target {e}"))?;
         let mut config = LoraConfig::new(r, targets);
         config.alpha = self.lora_alpha;
@@ -293,15 +295,21 @@ fn is_4bit(source: &accel_core::bigmodel::CheckpointSource, name: &str) -> bool 
         .any(|q| source.contains(&format!("{name}.{}", quant_state_name(*q))))
 }
 
+/// The causal language models `finetune_hf` trains.
+pub(crate) const CAUSAL_TYPES: &str =
+    "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma3_text, gemma3, gpt2";
+
 /// Vocabulary size of a decoder config; BERT is refused.
 pub(crate) fn decoder_vocab(cfg: &ModelConfig, dir: &Path) -> Result<usize> {
     match cfg {
         ModelConfig::Llama(c) => Ok(c.vocab_size),
+        ModelConfig::Gemma3(c) => Ok(c.vocab_size),
         ModelConfig::Gpt2(c) => Ok(c.vocab_size),
         ModelConfig::Bert(_) => bail!(
             "{}: model_type bert is an encoder without a language-model head; finetune_hf \
-             trains causal language models (llama, mistral, qwen2, gpt2)",
-            dir.display()
+             trains causal language models ({})",
+            dir.display(),
+            CAUSAL_TYPES
         ),
     }
 }

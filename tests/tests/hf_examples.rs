@@ -13,8 +13,31 @@ use serde_json::Value;
 
 const HF_LOGITS: &str = env!("CARGO_BIN_EXE_hf_logits_worker");
 const GENERATE: &str = env!("CARGO_BIN_EXE_generate_worker");
-const DECODERS: [&str; 5] = ["llama", "llama3", "mistral", "qwen2", "gpt2"];
-const ALL: [&str; 6] = ["llama", "llama3", "mistral", "qwen2", "gpt2", "bert"];
+const DECODERS: [&str; 10] = [
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "gpt2",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+];
+const ALL: [&str; 11] = [
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "gpt2",
+    "bert",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+];
 const TOL: f32 = 1e-4;
 
 use accel_tests::{hf_fixture as fixture, hf_reference as reference};

@@ -10,7 +10,18 @@ use accel_nn::{DeviceMapChoice, LoadDispatchOptions};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-pub const DECODERS: [&str; 5] = ["llama", "llama3", "mistral", "qwen2", "gpt2"];
+pub const DECODERS: [&str; 10] = [
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "gpt2",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+];
 pub const TOL: f32 = 1e-4;
 
 pub fn fixture(name: &str) -> PathBuf {
