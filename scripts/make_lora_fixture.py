@@ -7,7 +7,8 @@ is not zero, and reference.json: PEFT's logits of the adapted model on fixed ids
 which the command-line run in tests/tests/lora.rs must report. GPT-2's `Conv1D` layers get
 `fan_in_fan_out=True`, as PEFT sets it for them.
 
-Usage: python3 scripts/make_lora_fixture.py   (needs torch, transformers, peft)
+Usage: python3 scripts/make_lora_fixture.py [NAME ...]   (needs torch, transformers, peft; all cases
+without names)
 """
 import json
 import os
@@ -22,6 +23,13 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 CASES = {
     "llama": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
     "gpt2": dict(target_modules=["c_attn"], fan_in_fan_out=True, ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
+    # The newer architectures (scripts/make_hf_arch_fixtures.py), each with
+    # PEFT's default target modules for it (Phi-3: the fused qkv_proj).
+    "qwen3": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
+    "gemma3": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
+    "phi3": dict(target_modules=["qkv_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
+    "mixtral": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
+    "qwen3_moe": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
 }
 
 
@@ -31,7 +39,12 @@ def counts(model):
 
 
 def main():
+    import sys
+
+    wanted = sys.argv[1:] or list(CASES)
     for name, case in CASES.items():
+        if name not in wanted:
+            continue
         base_dir = os.path.join(ROOT, "tests/fixtures/hf", name)
         out = os.path.join(ROOT, "tests/fixtures/lora", name)
         shutil.rmtree(out, ignore_errors=True)

@@ -186,18 +186,24 @@ impl Llama {
         let Some(moe) = self.cfg.moe.as_ref().filter(|m| m.output_router_logits) else {
             return self.run(ids, 0, None, Some(labels));
         };
-        let (loss, aux) = self.loss_and_aux(ids, labels)?;
+        let (loss, aux) = self.shifted_loss_and_aux(ids, labels)?;
         Ok((loss + (aux * moe.router_aux_loss_coef)?)?)
     }
 
-    /// The language-model loss and the load-balancing loss of the sparse
-    /// layers (transformers' `aux_loss`), for a mixture of experts.
+    /// The language-model loss (labels shifted as in [`Llama::loss`]) and
+    /// the load-balancing loss of the sparse layers (transformers'
+    /// `aux_loss`, before `router_aux_loss_coef`), for a mixture of experts
+    /// whatever its `output_router_logits`.
     ///
     /// # Errors
     /// A model without sparse layers; a decoder layer whose hook recomputes
     /// it (FSDP, activation checkpointing), through which the router's
     /// statistics would carry no gradient.
-    pub fn loss_and_aux(&self, ids: &Tensor, labels: Tensor) -> Result<(Tensor, Tensor)> {
+    pub fn loss_and_aux(&self, ids: &Tensor, labels: &Tensor) -> Result<(Tensor, Tensor)> {
+        self.shifted_loss_and_aux(ids, parts::shift_labels(labels)?)
+    }
+
+    fn shifted_loss_and_aux(&self, ids: &Tensor, labels: Tensor) -> Result<(Tensor, Tensor)> {
         if self.cfg.moe.is_none() {
             bail_input!(
                 "loss",

@@ -54,12 +54,23 @@ fn assert_logits(got: &Tensor, want: &Value, tol: f32, what: &str) {
     assert!(worst < tol, "{what}: logits differ from PEFT's by {worst}");
 }
 
+/// The architectures with a PEFT adapter fixture (`scripts/make_lora_fixture.py`).
+const ARCHS: [&str; 7] = [
+    "llama",
+    "gpt2",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+];
+
 /// PEFT's adapters, merged into the weights as they load (`hf_logits
 /// --adapter`), give PEFT's logits, for Llama and for GPT-2's transposed
 /// `Conv1D` weights (`fan_in_fan_out`).
 #[test]
 fn peft_adapters_load_merged_with_peft_logits() {
-    for name in ["llama", "gpt2"] {
+    for name in ARCHS {
         let r = lora_reference(name);
         let adapter = lora_fixture(name);
         let model = AutoModel::load_with_adapter(
@@ -93,7 +104,7 @@ fn peft_adapters_load_merged_with_peft_logits() {
 /// PEFT's adapter tensors computes PEFT's unmerged forward.
 #[test]
 fn lora_layers_compute_peft_forward() {
-    for name in ["llama", "gpt2"] {
+    for name in ARCHS {
         let r = lora_reference(name);
         let adapter = LoraAdapter::open(lora_fixture(name)).unwrap();
         let base = CheckpointSource::open(hf_fixture(name)).unwrap();
@@ -175,7 +186,11 @@ fn finetune_hf_lora_reports_peft_counts_and_writes_a_peft_folder() {
     let tmp = tempfile::tempdir().unwrap();
     let data = jsonl(tmp.path());
     let ids = ids_file(tmp.path());
-    for (name, target) in [("llama", Some("q_proj,v_proj")), ("gpt2", None)] {
+    let defaults = ARCHS[1..].iter().map(|&n| (n, None));
+    for (name, target) in [("llama", Some("q_proj,v_proj"))]
+        .into_iter()
+        .chain(defaults)
+    {
         let model = hf_fixture(name);
         let before = snapshot(&model);
         let out_dir = tmp.path().join(format!("out-{name}"));
@@ -186,7 +201,8 @@ fn finetune_hf_lora_reports_peft_counts_and_writes_a_peft_folder() {
             Some(t) => cmd
                 .args(["--data", &data.display().to_string(), "--seq-len", "32"])
                 .args(["--lora-target", t]),
-            // The GPT-2 fixture has no tokenizer: a batch of ids.
+            // The other fixtures have no tokenizer: a batch of ids, and
+            // PEFT's default target modules of the architecture.
             None => cmd.args(["--data-ids", &ids.display().to_string()]),
         };
         cmd.args(["--steps", "20", "--lr", "1e-2"])
