@@ -55,6 +55,11 @@ struct Args {
     /// Skip the torch side.
     #[arg(long)]
     no_python: bool,
+    /// Also time the tiled kernel with a causal sliding window of this many
+    /// keys (Mistral's, Gemma's local layers) at each length, against the
+    /// full causal mask.
+    #[arg(long)]
+    window: Option<usize>,
     /// Internal: run one accel-rs length with this kernel and print its JSON.
     #[arg(long, hide = true)]
     child: Option<String>,
@@ -68,8 +73,9 @@ const H: usize = 8;
 const KVH: usize = 4;
 const D: usize = 64;
 
-/// One length in this process (the kernel was chosen by `ACCEL_ATTENTION`).
-fn child(t: usize, reps: usize) -> Result<Value> {
+/// One length in this process (the kernel was chosen by `ACCEL_ATTENTION`),
+/// within a sliding window when given.
+fn child(t: usize, reps: usize, window: Option<usize>) -> Result<Value> {
     let dev = Device::Cpu;
     let var = |h: usize, seed: f64| -> Result<Var> {
         let x = Tensor::arange(0u32, (h * t * D) as u32, &dev)?
@@ -81,7 +87,14 @@ fn child(t: usize, reps: usize) -> Result<Value> {
     };
     let (q, k, v) = (var(H, 0.0)?, var(KVH, 1.0)?, var(KVH, 2.0)?);
     let g = Tensor::ones((1, H, t, D), candle_core::DType::F32, &dev)?;
-    let mask = AttentionMask::Causal { offset: 0 };
+    let mask = match window {
+        Some(window) => AttentionMask::SlidingWindow {
+            offset: 0,
+            window,
+            bias: None,
+        },
+        None => AttentionMask::Causal { offset: 0 },
+    };
     let scale = 1.0 / (D as f64).sqrt();
     let before = status_kib("VmRSS");
     let step = || -> Result<()> {
@@ -104,6 +117,7 @@ fn child(t: usize, reps: usize) -> Result<Value> {
         "peak_rss_mib": peak as f64 / 1024.0,
         "op_peak_mib": peak.saturating_sub(before) as f64 / 1024.0,
         "kernel": ops::attention_kernel()?.name(),
+        "window": window,
     }))
 }
 
@@ -122,19 +136,30 @@ fn main() -> Result<()> {
     let reference_max = args.reference_max.unwrap_or(8192);
     if let Some(spec) = &args.child {
         let t: usize = spec.parse().context("--child takes a sequence length")?;
-        println!("{}", child(t, args.reps)?);
+        println!("{}", child(t, args.reps, args.window)?);
         return Ok(());
     }
     let threads = accel_core::kernels::par::threads();
     let mut rows = vec![];
     for &t in &seq_lens {
-        let accel = |kernel: &str| -> Result<Value> {
+        let side = |kernel: &str, window: Option<usize>| -> Result<Value> {
             let mut cmd = Command::new(std::env::current_exe()?);
             cmd.args(["--child", &t.to_string(), "--reps", &args.reps.to_string()])
                 .env("ACCEL_ATTENTION", kernel);
-            run_side(&mut cmd, &format!("accel-rs {kernel} at t = {t}"))
+            if let Some(w) = window {
+                cmd.args(["--window", &w.to_string()]);
+            }
+            run_side(
+                &mut cmd,
+                &format!("accel-rs {kernel} at t = {t}, window {window:?}"),
+            )
         };
+        let accel = |kernel: &str| side(kernel, None);
         let tiled = accel("tiled")?;
+        let sliding = match args.window {
+            Some(w) => side("tiled", Some(w))?,
+            None => Value::Null,
+        };
         let reference = if t <= reference_max {
             accel("reference")?
         } else {
@@ -164,6 +189,8 @@ fn main() -> Result<()> {
             "tiled_speed_vs_torch": ratio(&tiled, &torch, "seconds"),
             "tiled_speed_vs_reference": ratio(&tiled, &reference, "seconds"),
             "tiled_peak_rss_vs_torch": ratio(&torch, &tiled, "peak_rss_mib"),
+            "sliding": sliding,
+            "sliding_speed_vs_full_causal": ratio(&sliding, &tiled, "seconds"),
         });
         if !args.json {
             eprintln!("{row}");

@@ -53,8 +53,9 @@ pub(crate) fn shift_labels(labels: &Tensor) -> Result<Tensor> {
 }
 
 /// The causal mask of a decoder layer for `t` new queries over `s` keys
-/// (`s - t` of them cached), with the activations' additive bias and
-/// Mistral's sliding window when they apply.
+/// (`s - t` of them cached), with the activations' additive bias and a
+/// sliding window when they apply (the attention kernels skip the keys
+/// before the window).
 pub(crate) fn causal_mask(
     x: &Activations,
     t: usize,
@@ -62,44 +63,18 @@ pub(crate) fn causal_mask(
     window: Option<usize>,
 ) -> candle_core::Result<AttentionMask> {
     let offset = s - t;
-    let window_bias = match window {
-        Some(w) if s > w => Some(sliding_window_bias(t, s, w, x.hidden.dtype(), x.device())?),
-        _ => None,
-    };
-    let bias = match (&x.attention_bias, window_bias) {
-        (Some(a), Some(w)) => Some(a.broadcast_add(&w)?),
-        (Some(a), None) => Some(a.clone()),
-        (None, w) => w,
-    };
-    Ok(match bias {
-        Some(bias) => AttentionMask::CausalAndAdditive { offset, bias },
-        None => AttentionMask::Causal { offset },
+    Ok(match (window.filter(|&w| s > w), &x.attention_bias) {
+        (Some(window), bias) => AttentionMask::SlidingWindow {
+            offset,
+            window,
+            bias: bias.clone(),
+        },
+        (None, Some(bias)) => AttentionMask::CausalAndAdditive {
+            offset,
+            bias: bias.clone(),
+        },
+        (None, None) => AttentionMask::Causal { offset },
     })
-}
-
-/// `[t, s]` bias hiding keys `window` or more positions behind the query
-/// (transformers' sliding-window mask: key `j` is seen from position `p`
-/// when `p - j < window`).
-fn sliding_window_bias(
-    t: usize,
-    s: usize,
-    window: usize,
-    dtype: DType,
-    device: &Device,
-) -> candle_core::Result<Tensor> {
-    let offset = s - t;
-    let data: Vec<f32> = (0..t)
-        .flat_map(|i| {
-            (0..s).map(move |j| {
-                if offset + i >= j + window {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
-    Tensor::from_vec(data, (t, s), device)?.to_dtype(dtype)
 }
 
 /// `[b, t, heads * hd]` to `[b, heads, t, hd]`.

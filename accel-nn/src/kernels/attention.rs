@@ -24,6 +24,8 @@ use super::{from_f32, math, strided_f32, tensor_from_f32, with_f32, with_strided
 pub(crate) struct MaskSpec {
     /// Causal masking with the query block starting at this absolute position.
     pub causal_offset: Option<usize>,
+    /// With `causal_offset`: query `i` sees only keys `j > offset + i - window`.
+    pub window: Option<usize>,
     /// Additive bias, f32, broadcast to `[b, h, t, s]` (zero strides allowed).
     pub bias: Option<Tensor>,
 }
@@ -192,6 +194,14 @@ fn apply<K: Kernel + 'static>(
 }
 
 impl MaskSpec {
+    /// The first key query row `i` sees (0 without a window).
+    pub(super) fn window_start(&self, i: usize) -> usize {
+        match (self.causal_offset, self.window) {
+            (Some(o), Some(w)) => (o + i + 1).saturating_sub(w),
+            _ => 0,
+        }
+    }
+
     /// `f` with the bias as a strided f32 view (read in place), or `None`.
     ///
     /// # Errors
@@ -293,6 +303,8 @@ impl Attention {
                 Some(o) => (o + i + 1).min(s),
                 None => s,
             };
+            let dead = self.mask.window_start(i).min(live);
+            row[..dead].fill(f32::NEG_INFINITY);
             masked_softmax_row(row, live);
         }
     }

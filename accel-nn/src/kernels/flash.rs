@@ -1,5 +1,6 @@
 //! Tiled attention on the CPU, FlashAttention-2's algorithm: memory linear
-//! in the sequence length, and causal tiles above the diagonal skipped.
+//! in the sequence length, causal tiles above the diagonal skipped, and with
+//! a sliding window the tiles before it too (work `O(t * window)`).
 //!
 //! [`super::attention`] keeps the probabilities `[b*h, t, s]` for backward
 //! (2 GiB per layer at t = s = 8192 with 8 heads) and runs its products over
@@ -49,13 +50,30 @@ struct Head {
 }
 
 impl Flash {
-    /// Keys `0..end` that query rows `r0..r1` may see at all (causal tiles
-    /// wholly above the diagonal are never visited).
-    fn key_end(&self, r1: usize, s: usize) -> usize {
-        match self.mask.causal_offset {
+    /// Keys `start..end` that query rows `r0..r1` may see at all (causal
+    /// tiles wholly above the diagonal, and those wholly before a sliding
+    /// window, are never visited).
+    fn key_range(&self, r0: usize, r1: usize, s: usize) -> std::ops::Range<usize> {
+        let end = match self.mask.causal_offset {
             Some(o) => (o + r1).min(s),
             None => s,
-        }
+        };
+        self.mask.window_start(r0).min(end)..end
+    }
+
+    /// Query rows `first..last` that see any of keys `j0..j1` (all rows
+    /// without a mask).
+    fn query_range(&self, j0: usize, j1: usize, t: usize) -> std::ops::Range<usize> {
+        let Some(o) = self.mask.causal_offset else {
+            return 0..t;
+        };
+        let first = j0.saturating_sub(o).min(t);
+        let last = match self.mask.window {
+            // Row i sees key j while o + i - j < w: up to j1 - 1 + w - o.
+            Some(w) => (j1 - 1 + w).saturating_sub(o).min(t),
+            None => t,
+        };
+        first..last.max(first)
     }
 
     /// The scores of query rows `r0..r0 + br` against keys `j0..j0 + bc`
@@ -84,9 +102,12 @@ impl Flash {
                 }
             }
             if let Some(o) = self.mask.causal_offset {
-                // Key j is visible from row i when j <= o + i.
+                // Key j is visible from row i when j <= o + i (and, with a
+                // window, j >= window_start(i)).
                 let live = (o + i + 1).saturating_sub(j0).min(bc);
                 row[live..].fill(f32::NEG_INFINITY);
+                let dead = self.mask.window_start(i).saturating_sub(j0).min(live);
+                row[..dead].fill(f32::NEG_INFINITY);
             }
         }
     }
@@ -107,9 +128,9 @@ impl Flash {
         let mut m = vec![f32::NEG_INFINITY; br];
         let mut l = vec![0f32; br];
         let mut p = vec![0f32; br * BC];
-        let end = self.key_end(r0 + br, s);
-        for j0 in (0..end).step_by(BC) {
-            let bc = BC.min(end - j0);
+        let keys = self.key_range(r0, r0 + br, s);
+        for j0 in keys.clone().step_by(BC) {
+            let bc = BC.min(keys.end - j0);
             let p = &mut p[..br * bc];
             self.scores(p, (q, k), head, (r0, br), (j0, bc), d, bias);
             for (r, row) in p.chunks_exact_mut(bc).enumerate() {
@@ -275,9 +296,9 @@ impl Flash {
                     let head = self.head((q, k, v), dims, bh);
                     for r0 in (0..t).step_by(BR) {
                         let br = BR.min(t - r0);
-                        let end = self.key_end(r0 + br, s);
-                        for j0 in (0..end).step_by(BC) {
-                            let bc = BC.min(end - j0);
+                        let keys = self.key_range(r0, r0 + br, s);
+                        for j0 in keys.clone().step_by(BC) {
+                            let bc = BC.min(keys.end - j0);
                             let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
                             self.tile_grads(&c, head, bh, (r0, br), (j0, bc), p, ds);
                             let dy = MatRef::rows(g, (bh * t + r0) * d, d);
@@ -363,12 +384,12 @@ impl Flash {
             let bc = BC.min(s - j0);
             let (mut dk, mut dv) = (vec![0f32; bc * d], vec![0f32; bc * d]);
             let (mut p, mut ds) = (vec![0f32; BR * bc], vec![0f32; BR * bc]);
-            // The first query that sees key j0 (all of them without a causal mask).
-            let first = self.mask.causal_offset.map_or(0, |o| j0.saturating_sub(o));
+            // The queries that see any of these keys.
+            let rows = self.query_range(j0, j0 + bc, t);
             for r in 0..n_rep {
                 let bh = bi * h + kv * n_rep + r;
                 let head = self.head(c.qkv, c.dims, bh);
-                for r0 in ((first / BR) * BR..t).step_by(BR) {
+                for r0 in ((rows.start / BR) * BR..rows.end).step_by(BR) {
                     let br = BR.min(t - r0);
                     let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
                     self.tile_grads(c, head, bh, (r0, br), (j0, bc), p, ds);
@@ -388,9 +409,9 @@ impl Flash {
             let br = BR.min(t - r0);
             let mut dq = vec![0f32; br * d];
             let (mut p, mut ds) = (vec![0f32; br * BC], vec![0f32; br * BC]);
-            let end = self.key_end(r0 + br, s);
-            for j0 in (0..end).step_by(BC) {
-                let bc = BC.min(end - j0);
+            let keys = self.key_range(r0, r0 + br, s);
+            for j0 in keys.clone().step_by(BC) {
+                let bc = BC.min(keys.end - j0);
                 let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
                 self.tile_grads(c, head, bh, (r0, br), (j0, bc), p, ds);
                 let kt = MatRef::rows(k.0, head.ko + j0 * k.2[2], k.2[2]);

@@ -18,6 +18,7 @@ fn spec(causal: Option<usize>, bias: Option<&Tensor>, dims: Shape6) -> Result<Ma
     let (b, h, _, t, s, _) = dims;
     Ok(MaskSpec {
         causal_offset: causal,
+        window: None,
         bias: bias.map(|x| x.broadcast_as((b, h, t, s))).transpose()?,
     })
 }
@@ -134,4 +135,53 @@ fn finite_differences_over_several_tiles() -> Result<()> {
         &|x| attention(&x[0], &x[1], &x[2], spec(Some(s - t), None, dims)?, scale),
         &|x| composed::scaled_dot_product_attention(&x[0], &x[1], &x[2], &mask, scale),
     )
+}
+
+/// Sliding windows: the tiled kernel (which skips the key tiles before a
+/// window) and the reference one against the composed ops' windowed mask
+/// and finite differences, over several tiles, from position 0 and after a
+/// cache, with the backward in one pass and split.
+#[test]
+fn sliding_windows_skip_the_tiles_before_them() -> Result<()> {
+    let cases = [
+        (BR + 3, BR + 3, 37),
+        (BR + 3, BR + 3, BC + 10),
+        (40, 2 * BC + 7, 50),
+        (1, 2 * BC + 7, 100),
+    ];
+    for (t, s, window) in cases {
+        let offset = s - t;
+        let spec = || -> Result<MaskSpec> {
+            Ok(MaskSpec {
+                causal_offset: Some(offset),
+                window: Some(window),
+                bias: None,
+            })
+        };
+        let mask = AttentionMask::SlidingWindow {
+            offset,
+            window,
+            bias: None,
+        };
+        let shapes = [vec![1, 2, t, 4], vec![1, 1, s, 4], vec![1, 1, s, 4]];
+        let composed =
+            |x: &[Tensor]| composed::scaled_dot_product_attention(&x[0], &x[1], &x[2], &mask, 0.5);
+        for threads in [1, 3] {
+            crate::kernels::raw::par::with_threads(threads, || {
+                check_op(
+                    &shapes,
+                    60,
+                    &|x| attention(&x[0], &x[1], &x[2], spec()?, 0.5),
+                    &composed,
+                )?;
+                check_op(
+                    &shapes,
+                    61,
+                    &|x| attention_reference(&x[0], &x[1], &x[2], spec()?, 0.5),
+                    &composed,
+                )
+            })?;
+        }
+    }
+    Ok(())
 }

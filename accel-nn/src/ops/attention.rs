@@ -35,6 +35,18 @@ pub enum AttentionMask {
         /// As in [`AttentionMask::Additive`].
         bias: Tensor,
     },
+    /// Causal within a sliding window (Mistral, Gemma's local layers): query
+    /// `i` at position `offset + i` sees keys `j` with
+    /// `offset + i - window < j <= offset + i`. The kernels skip the key
+    /// tiles outside the window: work `O(t * window)`, not `O(t * s)`.
+    SlidingWindow {
+        /// As in [`AttentionMask::Causal`].
+        offset: usize,
+        /// Keys a query sees, itself included.
+        window: usize,
+        /// An additive bias as well, if any.
+        bias: Option<Tensor>,
+    },
 }
 
 impl AttentionMask {
@@ -45,6 +57,15 @@ impl AttentionMask {
             AttentionMask::Causal { offset } => (Some(*offset), None),
             AttentionMask::Additive(bias) => (None, Some(bias)),
             AttentionMask::CausalAndAdditive { offset, bias } => (Some(*offset), Some(bias)),
+            AttentionMask::SlidingWindow { offset, bias, .. } => (Some(*offset), bias.as_ref()),
+        }
+    }
+
+    /// The sliding window, if any.
+    fn window(&self) -> Option<usize> {
+        match self {
+            AttentionMask::SlidingWindow { window, .. } => Some(*window),
+            _ => None,
         }
     }
 
@@ -57,6 +78,7 @@ impl AttentionMask {
             .transpose()?;
         Ok(MaskSpec {
             causal_offset: offset,
+            window: self.window(),
             bias,
         })
     }
@@ -105,7 +127,8 @@ pub fn scaled_dot_product_attention(
     let (_, bias) = mask.parts();
     let same_dtype = k.dtype() == q.dtype() && v.dtype() == q.dtype();
     let bias_is_constant = bias.is_none_or(|b| !b.track_op());
-    let cuda = takes_cuda(q, k, v, bias_is_constant);
+    // The CUDA kernel has no window yet.
+    let cuda = mask.window().is_none() && takes_cuda(q, k, v, bias_is_constant);
     if !(cuda || fused(q) && same_dtype && bias_is_constant) {
         return composed_attention(q, k, v, mask, scale);
     }
@@ -203,12 +226,20 @@ pub fn composed_attention_qkv(
 }
 
 /// The additive causal mask `[t, s]`: 0 where query `i` may see key `j`
-/// (`j <= offset + i`), `-inf` elsewhere.
-fn causal_bias(t: usize, s: usize, offset: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+/// (`j <= offset + i`, and `offset + i - j < window` with a window),
+/// `-inf` elsewhere.
+fn causal_bias(
+    t: usize,
+    s: usize,
+    (offset, window): (usize, Option<usize>),
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    let window = window.unwrap_or(usize::MAX);
     let mask: Vec<f32> = (0..t)
         .flat_map(|i| {
             (0..s).map(move |j| {
-                if j <= offset + i {
+                if j <= offset + i && offset + i - j < window {
                     0.0
                 } else {
                     f32::NEG_INFINITY
@@ -252,7 +283,8 @@ pub fn composed_attention(
     let mut scores = (q.matmul(&k.t()?)? * scale)?;
     let (offset, bias) = mask.parts();
     if let Some(offset) = offset {
-        scores = scores.broadcast_add(&causal_bias(t, s, offset, compute, q.device())?)?;
+        let causal = causal_bias(t, s, (offset, mask.window()), compute, q.device())?;
+        scores = scores.broadcast_add(&causal)?;
     }
     if let Some(bias) = bias {
         scores = scores.broadcast_add(&bias.to_dtype(compute)?)?;

@@ -297,6 +297,7 @@ fn cuda_attention_matches_the_cpu_kernel_and_its_gradients() -> Result<()> {
             };
             let spec = MaskSpec {
                 causal_offset: c.causal,
+                window: None,
                 bias: bias
                     .as_ref()
                     .map(|x| x.to_device(dev)?.broadcast_as((b, h, t, s)))
