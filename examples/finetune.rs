@@ -10,7 +10,7 @@
 //! ```
 //!
 //! With `--model DIR` it fine-tunes a Hugging Face causal LM folder instead
-//! (llama, mistral, qwen2, gpt2), starting from its weights, on the corpus
+//! (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma3, gpt2), starting from its weights, on the corpus
 //! tokenised by the folder's `tokenizer.json`; `--fsdp` then wraps each of
 //! its decoder layers (`LlamaDecoderLayer`, `GPT2Block`).
 

@@ -21,6 +21,9 @@ import sys
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    SiglipVisionConfig,
     Gemma3TextConfig,
     MixtralConfig,
     Phi3Config,
@@ -114,6 +117,30 @@ def main():
     randomize_norms(model)
     folder = save("gemma3", model, BIG)
     write_reference(folder, decoder_reference(folder, DECODER_IDS))
+
+    # A multimodal `gemma3` folder: the text model under
+    # `language_model.model.*`, its config under `text_config`, beside a
+    # (tiny) vision tower the text model ignores; text-only references.
+    torch.manual_seed(26)
+    text = Gemma3TextConfig(
+        vocab_size=160, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_hidden_layers=2,
+        initializer_range=0.3, query_pre_attn_scalar=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )
+    cfg = Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+        image_token_index=159, boi_token_index=157, eoi_token_index=158,
+    )
+    model = Gemma3ForConditionalGeneration(cfg)
+    randomize_norms(model)
+    folder = save("gemma3_mm", model, BIG)
+    write_reference(folder, decoder_reference(folder, DECODER_IDS, Gemma3ForConditionalGeneration))
 
     # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj, half the head
     # rotated, longrope whose original length (4) the inputs pass (long factors).

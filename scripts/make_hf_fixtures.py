@@ -59,8 +59,8 @@ def top2_gap(logits):
     return float((top[..., 0] - top[..., 1]).min())
 
 
-def decoder_reference(folder, input_ids):
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+def decoder_reference(folder, input_ids, cls=AutoModelForCausalLM):
+    model = cls.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor(input_ids)
     with torch.no_grad():
         out = model(ids, labels=ids)
@@ -75,8 +75,8 @@ def decoder_reference(folder, input_ids):
         )
         # the margins of every greedy step, re-run on the full sequence
         gen_logits = model(gen).logits[0, len(input_ids[0]) - 1 : -1]
-    no_split = type(model.base_model.layers[0] if hasattr(model.base_model, "layers")
-                    else model.base_model.h[0]).__name__
+    base = getattr(model.base_model, "language_model", model.base_model)
+    no_split = type(base.layers[0] if hasattr(base, "layers") else base.h[0]).__name__
     return {
         "input_ids": input_ids,
         "device_maps": device_maps(model, no_split),

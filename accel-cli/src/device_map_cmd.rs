@@ -27,7 +27,7 @@ pub struct DeviceMapArgs {
     pub model_tree: Option<PathBuf>,
     /// Plan straight from a safetensors checkpoint (file, index or folder),
     /// reading no tensor data: a folder with the `config.json` of an
-    /// architecture accel-models builds (Llama, Mistral, Qwen2, GPT-2, BERT) is
+    /// architecture accel-models builds (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen3-MoE, Gemma 3, GPT-2, BERT) is
     /// planned over that model's own module tree, as Accelerate plans the
     /// transformers model; anything else from the headers alone.
     #[arg(long)]

@@ -30,8 +30,8 @@ use serde_json::{json, Value};
 /// `finetune_hf`'s flags.
 #[derive(Parser, Debug, Clone)]
 #[command(
-    about = "Fine-tune a Hugging Face causal LM folder (llama, mistral, qwen2, gpt2) on a fixed batch of token ids",
-    long_about = "Fine-tune a Hugging Face causal LM folder (llama, mistral, qwen2, gpt2) on a fixed \
+    about = "Fine-tune a Hugging Face causal LM folder (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma3, gpt2) on a fixed batch of token ids",
+    long_about = "Fine-tune a Hugging Face causal LM folder (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma3, gpt2) on a fixed \
 batch of token ids with AdamW (betas 0.9/0.999, eps 1e-8, weight decay 0, constant learning rate). \
 Every step trains on the whole batch; under `accel launch` each rank takes its contiguous share \
 (Accelerate's split_batches), and the printed loss is the mean next-token cross-entropy of the whole \

@@ -186,7 +186,7 @@ impl HfLm {
         if let accel_core::models::ModelConfig::Bert(_) = cfg {
             return Err(accel_core::Error::Usage(
                 "model_type bert is an encoder without a language-model head; fine-tune a \
-                 causal language model (llama, mistral, qwen2, gpt2)"
+                 causal language model (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma3, gpt2)"
                     .into(),
             ));
         }
