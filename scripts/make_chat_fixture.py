@@ -44,6 +44,8 @@ CONVERSATIONS = [
         {"role": "user", "content": "and then?"},
         {"role": "assistant", "content": "the lazy dog"},
     ],
+    # A prompt alone, as `generate --chat` renders it.
+    [{"role": "user", "content": "the quick brown fox"}],
 ]
 
 

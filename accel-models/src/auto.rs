@@ -242,6 +242,29 @@ impl AutoModel {
         }
     }
 
+    /// [`AutoModel::generate`] with each token chosen as `sampling` says
+    /// (transformers' repetition penalty, temperature, top-k, top-p and a
+    /// seeded draw; greedy when `do_sample` is off).
+    ///
+    /// # Errors
+    /// [`crate::Error::BadInput`] for BERT or a bad setting (named); whatever
+    /// the model returns.
+    pub fn generate_with(
+        &self,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        eos_token_ids: &[u32],
+        sampling: &crate::Sampling,
+    ) -> Result<Vec<u32>> {
+        use crate::decode::generate;
+        match self {
+            Self::Llama(m) => generate(m, prompt, max_new_tokens, eos_token_ids, sampling),
+            Self::Gemma3(m) => generate(m, prompt, max_new_tokens, eos_token_ids, sampling),
+            Self::Gpt2(m) => generate(m, prompt, max_new_tokens, eos_token_ids, sampling),
+            Self::Bert(_) => bail_input!("generate", "BERT is an encoder"),
+        }
+    }
+
     /// The token ids that end generation by default (`eos_token_id`).
     pub fn eos_token_ids(&self) -> Vec<u32> {
         match self {

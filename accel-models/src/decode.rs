@@ -1,4 +1,5 @@
-//! Greedy decoding with a KV cache, shared by the decoder architectures.
+//! Decoding with a KV cache, greedy or sampled, shared by the decoder
+//! architectures.
 
 use std::sync::{Arc, Mutex};
 
@@ -6,6 +7,7 @@ use accel_nn::block::{KvCache, KvCacheSlot};
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::bail_input;
+use crate::sampling::{Sampler, Sampling};
 use crate::Result;
 
 /// A decoder-only model that can run new tokens on top of per-layer KV
@@ -40,6 +42,25 @@ pub(crate) fn greedy(
     max_new_tokens: usize,
     eos_token_ids: &[u32],
 ) -> Result<Vec<u32>> {
+    generate(
+        model,
+        prompt,
+        max_new_tokens,
+        eos_token_ids,
+        &Sampling::default(),
+    )
+}
+
+/// [`greedy`] with each token chosen as `sampling` says (transformers'
+/// repetition penalty, temperature, top-k, top-p and a seeded draw).
+pub(crate) fn generate(
+    model: &impl CausalLm,
+    prompt: &[u32],
+    max_new_tokens: usize,
+    eos_token_ids: &[u32],
+    sampling: &Sampling,
+) -> Result<Vec<u32>> {
+    let mut sampler = Sampler::new(sampling)?;
     if prompt.is_empty() {
         bail_input!("generate", "the prompt is empty");
     }
@@ -61,7 +82,7 @@ pub(crate) fn greedy(
         let ids = Tensor::new(input.as_slice(), &device)?.unsqueeze(0)?;
         let logits = model.forward_cached(&ids, offset, &caches)?;
         let last = logits.get(0)?.get(input.len() - 1)?;
-        let next = argmax(&last)?;
+        let next = sampler.next(last.to_dtype(DType::F32)?.to_vec1()?, &tokens);
         tokens.push(next);
         if eos_token_ids.contains(&next) {
             break;
@@ -69,16 +90,4 @@ pub(crate) fn greedy(
         input = vec![next];
     }
     Ok(tokens)
-}
-
-/// Index of the first maximum of a 1-D tensor.
-fn argmax(logits: &Tensor) -> Result<u32> {
-    let v: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    Ok(best as u32)
 }

@@ -63,6 +63,7 @@ mod llama_config;
 mod parts;
 mod quantized;
 mod rope;
+mod sampling;
 mod tokenizer;
 mod tree;
 
@@ -74,6 +75,7 @@ pub use gemma::{Gemma3, Gemma3Config};
 pub use gpt2::Gpt2;
 pub use llama::Llama;
 pub use rope::{RopeScaling, RopeSpec};
+pub use sampling::Sampling;
 pub use tokenizer::Tokenizer;
 
 // The unit tests run with weights mapped from checkpoint files, as programs

@@ -422,3 +422,110 @@ fn bad_input_exits_non_zero_naming_the_flag_or_file() {
         }
     }
 }
+
+/// Sampling as transformers' `generate` samples: the same `--seed` gives the
+/// same tokens, another seed others; `--greedy` gives transformers' greedy
+/// tokens even when generation_config.json asks for sampling; a bad value is
+/// an error naming its flag.
+#[test]
+fn seeded_sampling_repeats_itself_and_flags_override_the_generation_config() {
+    let name = "qwen3";
+    let sample = |seed: &str| {
+        generate(
+            name,
+            &strings(&[
+                "--temperature",
+                "1.5",
+                "--top-k",
+                "50",
+                "--top-p",
+                "0.95",
+                "--seed",
+                seed,
+            ]),
+        )["tokens"]
+            .clone()
+    };
+    assert_eq!(sample("1"), sample("1"));
+    assert!((2..6).any(|s| sample(&s.to_string()) != sample("1")));
+    // A folder whose generation_config.json samples.
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture(name).join(f), dir.path().join(f)).unwrap();
+    }
+    let config = r#"{"do_sample": true, "temperature": 2.0, "top_k": 100}"#;
+    std::fs::write(dir.path().join("generation_config.json"), config).unwrap();
+    let g = &reference(name)["generate"];
+    let run = |extra: &[&str]| -> Value {
+        let mut args = strings(&[
+            "--model",
+            &dir.path().display().to_string(),
+            "--prompt-ids",
+            &ids(&g["prompt_ids"]),
+            "--max-new-tokens",
+            &g["max_new_tokens"].to_string(),
+            "--ignore-eos",
+        ]);
+        args.extend(strings(extra));
+        serde_json::from_str(&ok(GENERATE, &args)).unwrap()
+    };
+    assert_eq!(run(&["--greedy"])["tokens"], g["tokens"]);
+    assert!((0..4).any(|s| run(&["--seed", &s.to_string()])["tokens"] != g["tokens"]));
+    let err = fails(
+        GENERATE,
+        &strings(&[
+            "--model",
+            &dir.path().display().to_string(),
+            "--prompt-ids",
+            "1,2",
+        ])
+        .into_iter()
+        .chain(strings(&["--max-new-tokens", "2", "--top-p", "1.5"]))
+        .collect::<Vec<_>>(),
+    );
+    assert!(err.contains("--top-p"), "{err}");
+}
+
+/// `--chat`: the prompt as a user message through the folder's chat
+/// template with the generation prompt, the ids transformers'
+/// `apply_chat_template` gives (tests/fixtures/chat).
+#[test]
+fn a_chat_prompt_is_rendered_with_the_folder_s_template() {
+    let dir = tempfile::tempdir().unwrap();
+    // Qwen3's fixture has room for the chat tokenizer's added tokens.
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture("qwen3").join(f), dir.path().join(f)).unwrap();
+    }
+    let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/chat");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        std::fs::copy(chat.join(f), dir.path().join(f)).unwrap();
+    }
+    let text = std::fs::read_to_string(chat.join("reference.json")).unwrap();
+    let r: Value = serde_json::from_str(&text).unwrap();
+    let case = r["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| {
+            c["messages"].as_array().unwrap().len() == 1 && c["add_generation_prompt"] == true
+        })
+        .unwrap();
+    let prompt = case["messages"][0]["content"].as_str().unwrap();
+    let args = strings(&[
+        "--model",
+        &dir.path().display().to_string(),
+        "--prompt",
+        prompt,
+        "--chat",
+        "--max-new-tokens",
+        "2",
+    ]);
+    let out: Value = serde_json::from_str(&ok(GENERATE, &args)).unwrap();
+    let tokens = out["tokens"].as_array().unwrap();
+    let want = case["input_ids"].as_array().unwrap();
+    assert_eq!(&tokens[..want.len()], &want[..]);
+}
