@@ -47,10 +47,12 @@ impl AutoModel {
     }
 
     /// Loads a checkpoint folder onto `device`, weights converted to `dtype`.
+    /// `dir` may also be a Hugging Face model id (`org/name`), found in the
+    /// Hugging Face cache or downloaded ([`crate::hub::resolve_model`]).
     ///
     /// # Errors
     /// Those of [`ModelConfig::from_path`]; a missing shard, tensor or shape
-    /// mismatch, naming the file and the tensor.
+    /// mismatch, naming the file and the tensor; a model id found nowhere.
     pub fn load(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Self> {
         Self::load_with_adapter(dir, None, dtype, device)
     }
@@ -90,7 +92,7 @@ impl AutoModel {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
-        let dir = dir.as_ref();
+        let dir = &crate::hub::resolve_model(dir.as_ref(), None)?;
         let mut cfg = ModelConfig::from_path(dir)?;
         let mut source = CheckpointSource::open(dir)?;
         if let Some(q) = quantization {
@@ -131,7 +133,7 @@ impl AutoModel {
     /// # Errors
     /// As [`AutoModel::load`], without reading tensor data.
     pub fn empty(dir: impl AsRef<Path>, dtype: DType) -> Result<Self> {
-        let dir = dir.as_ref();
+        let dir = &crate::hub::resolve_model(dir.as_ref(), None)?;
         let cfg = ModelConfig::from_path(dir)?;
         let source = Arc::new(CheckpointSource::open(dir)?);
         let names = source.names().map(str::to_string);
@@ -155,7 +157,7 @@ impl AutoModel {
         dir: impl AsRef<Path>,
         opts: &LoadDispatchOptions,
     ) -> Result<(Self, DispatchReport)> {
-        let dir = dir.as_ref();
+        let dir = &crate::hub::resolve_model(dir.as_ref(), None)?;
         let model = Self::empty(dir, opts.dtype.unwrap_or(DType::F32))?;
         let mut opts = opts.clone();
         if let DeviceMapChoice::Auto(plan) = &opts.device_map {

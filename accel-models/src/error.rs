@@ -52,6 +52,18 @@ pub enum Error {
         known: &'static str,
     },
 
+    // === model ids
+    /// A model id found neither in the Hugging Face cache nor on the Hub.
+    #[error("model `{model}` (revision {revision}): {reason}")]
+    ModelNotFound {
+        /// The id or path given.
+        model: String,
+        /// The revision asked for.
+        revision: String,
+        /// Where it looked and why it failed.
+        reason: String,
+    },
+
     // === tokenizer.json
     /// `tokenizer.json` could not be parsed or used.
     #[error("{path}: {reason}")]

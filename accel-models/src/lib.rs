@@ -58,6 +58,7 @@ mod error;
 mod gemma;
 mod gemma_config;
 mod gpt2;
+pub mod hub;
 mod llama;
 mod llama_config;
 mod parts;

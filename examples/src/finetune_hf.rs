@@ -39,9 +39,14 @@ batch before the step's update. Plain, MULTI_CPU/MULTI_GPU and FSDP (distributed
 launcher's config file) runs print the same losses."
 )]
 pub struct Args {
-    /// Checkpoint folder: config.json and model.safetensors (or shards with an index).
+    /// Checkpoint folder: config.json and model.safetensors (or shards with an
+    /// index), or a Hugging Face model id (`org/name`).
     #[arg(long)]
     pub model: PathBuf,
+    /// A model id's revision (branch, tag or commit) when `--model` is a
+    /// Hugging Face Hub id rather than a folder.
+    #[arg(long)]
+    pub revision: Option<String>,
     /// JSON file: an array of equal-length token-id sequences, the batch of every step.
     #[arg(long, required_unless_present = "data", conflicts_with = "data")]
     pub data_ids: Option<PathBuf>,
@@ -411,6 +416,12 @@ fn prepare_unchecked(
 /// # Errors
 /// Bad flags, checkpoint or data file; a failed step or collective.
 pub fn run(args: &Args, out: &mut dyn Write) -> Result<()> {
+    // A model id becomes its folder in the Hugging Face cache first.
+    let resolved = Args {
+        model: accel_core::models::hub::resolve_model(&args.model, args.revision.as_deref())?,
+        ..args.clone()
+    };
+    let args = &resolved;
     let mut cfg = accel_core::models::ModelConfig::from_path(&args.model)?;
     let vocab = decoder_vocab(&cfg, &args.model)?;
     let lora = args.lora(&mut cfg)?;

@@ -23,12 +23,17 @@ use serde_json::json;
 use crate::hf::{self, Placing};
 
 /// The command line (fixed: scripts outside the repository call it).
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(about = "Greedy generation from a Hugging Face checkpoint")]
 pub struct Args {
-    /// Checkpoint folder (config.json, safetensors, tokenizer.json for --prompt).
+    /// Checkpoint folder (config.json, safetensors, tokenizer.json for
+    /// --prompt), or a Hugging Face model id (`org/name`).
     #[arg(long)]
     pub model: PathBuf,
+    /// A model id's revision (branch, tag or commit) when `--model` is a
+    /// Hugging Face Hub id rather than a folder.
+    #[arg(long)]
+    pub revision: Option<String>,
     /// Prompt text, encoded with the folder's tokenizer.json.
     #[arg(long, conflicts_with = "prompt_ids")]
     pub prompt: Option<String>,
@@ -107,6 +112,12 @@ fn sampling(args: &Args) -> Result<Sampling> {
 /// Bad flags (naming the flag), a bad checkpoint, device map or tokenizer
 /// (naming the file).
 pub fn run(args: &Args, out: &mut impl Write) -> Result<()> {
+    // A model id becomes its folder in the Hugging Face cache first.
+    let resolved = Args {
+        model: accel_core::models::hub::resolve_model(&args.model, args.revision.as_deref())?,
+        ..args.clone()
+    };
+    let args = &resolved;
     let placing = args.placing.clone();
     // The ids first: a typo should not wait for a model load.
     let prompt_ids = match &args.prompt_ids {

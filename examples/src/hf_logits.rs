@@ -20,12 +20,17 @@ use clap::Parser;
 use crate::hf::{self, Placing};
 
 /// The command line (fixed: scripts outside the repository call it).
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(about = "Logits of a Hugging Face checkpoint as JSON")]
 pub struct Args {
-    /// Checkpoint folder (config.json and safetensors).
+    /// Checkpoint folder (config.json and safetensors), or a Hugging Face
+    /// model id (`org/name`) found in the Hugging Face cache or downloaded.
     #[arg(long)]
     pub model: PathBuf,
+    /// A model id's revision (branch, tag or commit) when `--model` is a
+    /// Hugging Face Hub id rather than a folder.
+    #[arg(long)]
+    pub revision: Option<String>,
     /// Token ids, comma-separated.
     #[arg(long)]
     pub input_ids: String,
@@ -39,6 +44,12 @@ pub struct Args {
 /// # Errors
 /// Bad flags (naming the flag), a bad checkpoint or device map (naming the file).
 pub fn run(args: &Args, out: &mut impl Write) -> Result<()> {
+    // A model id becomes its folder in the Hugging Face cache first.
+    let resolved = Args {
+        model: accel_core::models::hub::resolve_model(&args.model, args.revision.as_deref())?,
+        ..args.clone()
+    };
+    let args = &resolved;
     let placing = args.placing.clone();
     // The ids first: a typo should not wait for a model load.
     let ids = hf::parse_ids(&args.input_ids).context("--input-ids")?;
