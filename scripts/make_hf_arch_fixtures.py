@@ -15,7 +15,9 @@ load-balancing loss, and the autograd gradients of the first sparse layer's rout
 every expert's weights, with the token count each expert was routed.
 """
 
+import json
 import os
+import shutil
 import sys
 
 import torch
@@ -95,6 +97,24 @@ def main():
     randomize_norms(model)
     folder = save("qwen3", model, BIG)
     write_reference(folder, decoder_reference(folder, DECODER_IDS))
+    # The same weights as torch.save writes them (pytorch_model.bin in two
+    # shards with their index, transformers 4's non-safetensors layout; 5
+    # writes only safetensors): they must give the safetensors folder's logits.
+    bin_dir = os.path.join(os.path.dirname(folder), "qwen3_bin")
+    shutil.rmtree(bin_dir, ignore_errors=True)
+    os.makedirs(bin_dir)
+    shutil.copy(os.path.join(folder, "config.json"), bin_dir)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate([names[:half], names[half:]]):
+        shard = f"pytorch_model-0000{i + 1}-of-00002.bin"
+        torch.save({k: state[k] for k in part}, os.path.join(bin_dir, shard))
+        weight_map.update({k: shard for k in part})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(bin_dir, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
     # Gemma 3 text: (1 + w) norms, four per layer, sqrt(hidden) embedding scale,
     # GeGLU, q/k norms, query_pre_attn_scalar != head_dim, sliding layers

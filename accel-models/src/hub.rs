@@ -56,10 +56,19 @@ fn offline() -> bool {
 /// cache, downloaded first when the cache lacks it and downloads are
 /// allowed.
 ///
+/// A folder of `pytorch_model.bin` weights resolves to their safetensors
+/// copy, written once beside the cache (see `pickled.rs`).
+///
 /// # Errors
 /// [`Error::ModelNotFound`] naming where it looked: not a folder and not an
-/// id, not cached while offline, or a failed download (the Hub's reason).
+/// id, not cached while offline, or a failed download (the Hub's reason); a
+/// `.bin` checkpoint that does not read.
 pub fn resolve_model(model: &Path, revision: Option<&str>) -> Result<PathBuf> {
+    crate::pickled::loadable(&resolve_folder(model, revision)?)
+}
+
+/// [`resolve_model`] before a `pytorch_model.bin` folder is converted.
+fn resolve_folder(model: &Path, revision: Option<&str>) -> Result<PathBuf> {
     if model.exists() {
         return Ok(model.to_path_buf());
     }

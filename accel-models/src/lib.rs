@@ -62,6 +62,7 @@ pub mod hub;
 mod llama;
 mod llama_config;
 mod parts;
+mod pickled;
 mod quantized;
 mod rope;
 mod sampling;

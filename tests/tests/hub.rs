@@ -164,3 +164,35 @@ fn a_model_id_downloads_into_the_cache_then_resolves_offline() {
         "{err}"
     );
 }
+
+/// A folder of `pytorch_model.bin` shards written by `torch.save` (with
+/// their index) gives the logits of the same weights in safetensors; the
+/// converted copy lands beside the Hugging Face cache and is reused.
+#[test]
+fn pytorch_model_bin_shards_give_the_safetensors_logits() {
+    let home = tempfile::tempdir().unwrap();
+    let model = |name: &str| accel_tests::hf_fixture(name).display().to_string();
+    let (ok, want, err) = hf_logits(&model("qwen3"), home.path(), &[]);
+    assert!(ok, "{err}");
+    let (ok, got, err) = hf_logits(&model("qwen3_bin"), home.path(), &[]);
+    assert!(ok, "{err}");
+    let logits = |s: &str| serde_json::from_str::<Value>(s).unwrap()["logits"].clone();
+    assert_eq!(logits(&got), logits(&want));
+    let converted = home.path().join("accel/converted");
+    let copies: Vec<_> = std::fs::read_dir(&converted).unwrap().flatten().collect();
+    assert_eq!(copies.len(), 1, "{converted:?}");
+    let copy = copies[0].path();
+    assert!(copy.join("model.safetensors.index.json").is_file());
+    let stamp = std::fs::metadata(copy.join("config.json"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    let (ok, again, _) = hf_logits(&model("qwen3_bin"), home.path(), &[]);
+    assert!(ok);
+    assert_eq!(logits(&again), logits(&want));
+    let later = std::fs::metadata(copy.join("config.json"))
+        .unwrap()
+        .modified()
+        .unwrap();
+    assert_eq!(stamp, later, "the copy was made again");
+}
