@@ -171,10 +171,14 @@ impl DecoderLayer {
         let rd = self.cfg.rope.rotary_dim;
         let (q, k) = (rope::apply(&q, tables, rd)?, rope::apply(&k, tables, rd)?);
         let (k, v) = match &x.cache {
-            Some(slot) => slot
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .append(&k, &v)?,
+            Some(slot) => {
+                let mut cache = slot.lock().unwrap_or_else(|e| e.into_inner());
+                // A sliding layer's cache holds only what its window still sees.
+                if let Some(w) = self.window {
+                    cache.keep_last(w.saturating_sub(1))?;
+                }
+                cache.append(&k, &v)?
+            }
             None => (k, v),
         };
         let mask = parts::causal_mask(x, t, k.dim(2)?, self.window)?;

@@ -109,14 +109,18 @@ impl Layer {
             candle_core::bail!("a Gemma 3 layer needs rotary tables in Activations::rope")
         };
         let (q, k) = (ops::rope(&q, cos, sin)?, ops::rope(&k, cos, sin)?);
+        let window = self.sliding.then_some(self.cfg.sliding_window);
         let (k, v) = match &x.cache {
-            Some(slot) => slot
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .append(&k, &v)?,
+            Some(slot) => {
+                let mut cache = slot.lock().unwrap_or_else(|e| e.into_inner());
+                // A sliding layer's cache holds only what its window still sees.
+                if let Some(w) = window {
+                    cache.keep_last(w.saturating_sub(1))?;
+                }
+                cache.append(&k, &v)?
+            }
             None => (k, v),
         };
-        let window = self.sliding.then_some(self.cfg.sliding_window);
         let mask = parts::causal_mask(x, t, k.dim(2)?, window)?;
         let scale = self.cfg.query_pre_attn_scalar.powf(-0.5);
         let y = ops::scaled_dot_product_attention(&q, &k, &v, &mask, scale)?;

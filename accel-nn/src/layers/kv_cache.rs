@@ -32,6 +32,23 @@ impl KvCache {
         Ok(kv)
     }
 
+    /// Keeps only the last `n` cached positions (a sliding-window layer
+    /// keeps `window - 1` before appending a step: every key the step's
+    /// queries can still see), so its cache stops growing at the window.
+    ///
+    /// # Errors
+    /// Those of narrowing the tensors.
+    pub fn keep_last(&mut self, n: usize) -> Result<()> {
+        if let Some((k, v)) = &self.kv {
+            let len = k.dim(2)?;
+            if len > n {
+                let (k, v) = (k.narrow(2, len - n, n)?, v.narrow(2, len - n, n)?);
+                self.kv = Some((k.contiguous()?, v.contiguous()?));
+            }
+        }
+        Ok(())
+    }
+
     /// Number of cached positions.
     pub fn len(&self) -> usize {
         self.kv
@@ -52,5 +69,33 @@ impl KvCache {
     /// The cached keys and values, if any.
     pub fn current(&self) -> Option<&(Tensor, Tensor)> {
         self.kv.as_ref()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// `keep_last` drops the oldest positions only, and only past `n`.
+    #[test]
+    fn keep_last_drops_the_oldest_positions() {
+        let pos = |a: u32, b: u32| {
+            Tensor::arange(a, b, &Device::Cpu)
+                .unwrap()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .reshape((1, 1, (b - a) as usize, 1))
+                .unwrap()
+        };
+        let mut c = KvCache::new();
+        c.append(&pos(0, 5), &pos(10, 15)).unwrap();
+        c.keep_last(8).unwrap();
+        assert_eq!(c.len(), 5);
+        c.keep_last(3).unwrap();
+        let (k, v) = c.append(&pos(5, 6), &pos(15, 16)).unwrap();
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(&k), [2.0, 3.0, 4.0, 5.0]);
+        assert_eq!(flat(&v), [12.0, 13.0, 14.0, 15.0]);
     }
 }
