@@ -2,7 +2,8 @@
 //! from your own crate" says (the dependency and the `[patch.crates-io]`
 //! lines for the patched candle crates, since cargo applies patches only at
 //! the top of the user's workspace), builds against this checkout and
-//! trains candle-transformers' BERT and Llama in fp32 and bf16: every
+//! trains candle-transformers' BERT, Llama, Qwen3, Qwen3-MoE, Gemma 3 and
+//! Mixtral in fp32 and bf16: every
 //! parameter gets a gradient at every step, every loss is finite and falls
 //! (`tests/user_crate/src/main.rs` checks and prints them).
 //!
@@ -87,6 +88,14 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("bert", "bf16", 39),
         ("llama", "no", 21),
         ("llama", "bf16", 21),
+        ("qwen3", "no", 25),
+        ("qwen3", "bf16", 25),
+        ("qwen3_moe", "no", 45),
+        ("qwen3_moe", "bf16", 45),
+        ("gemma3", "no", 28),
+        ("gemma3", "bf16", 28),
+        ("mixtral", "no", 41),
+        ("mixtral", "bf16", 41),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

@@ -1,14 +1,17 @@
-//! What a candle user writes: candle-transformers' BERT (with a classification head) and Llama,
-//! built with the Accelerator's VarBuilder and trained with AdamW, in fp32 and bf16. Prints one
-//! JSON line per run and fails unless every parameter gets a gradient at every step and the loss
-//! is finite and falls.
+//! What a candle user writes: candle-transformers' BERT (with a classification head), Llama,
+//! Qwen3, Qwen3-MoE, Gemma 3 and Mixtral, built with the Accelerator's VarBuilder and trained
+//! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
+//! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
+//! finite and falls.
 
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
 use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor, D};
 use candle_nn::{Module, VarMap};
-use candle_transformers::models::{bert, llama};
+use std::cell::RefCell;
+
+use candle_transformers::models::{bert, gemma3, llama, mixtral, qwen3, qwen3_moe};
 use serde_json::json;
 
 const STEPS: usize = 5;
@@ -29,6 +32,30 @@ fn llama_config() -> Result<llama::Config> {
         "max_position_embeddings": 64, "tie_word_embeddings": false
     }))?;
     Ok(c.into_config(false))
+}
+
+/// The attention and MLP shapes the newer decoders share.
+fn decoder_json() -> serde_json::Value {
+    json!({
+        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "hidden_act": "silu", "attention_bias": false, "tie_word_embeddings": false,
+        "sliding_window": null, "max_window_layers": 2, "use_sliding_window": false
+    })
+}
+
+fn with(mut base: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
+    for (k, v) in extra.as_object().unwrap() {
+        base[k] = v.clone();
+    }
+    base
+}
+
+/// Loss on the last position's logits (`[b, 1, vocab]`) against `next`.
+fn last_loss(logits: Tensor, next: &Tensor) -> Result<Tensor> {
+    let logits = logits.squeeze(1)?.to_dtype(DType::F32)?;
+    Ok(candle_nn::loss::cross_entropy(&logits, next)?)
 }
 
 fn train(which: &str, precision: PrecisionType) -> Result<()> {
@@ -53,6 +80,70 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                 let logits = head.forward(&pooled)?.to_dtype(DType::F32)?;
                 Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
             })
+        }
+        "qwen3" | "qwen3_moe" | "gemma3" | "mixtral" => {
+            // 2 x 16 tokens, so that every expert is routed some at every step.
+            let long: Vec<u32> = (0..32u32).map(|i| (i * 7 + 3) % 64).collect();
+            let long = Tensor::from_vec(long, (2, 16), &dev)?;
+            let next = Tensor::new(&[3u32, 8], &dev)?;
+            match which {
+                "qwen3" => {
+                    let cfg: qwen3::Config = serde_json::from_value(decoder_json())?;
+                    let m = RefCell::new(qwen3::ModelForCausalLM::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "qwen3_moe" => {
+                    let cfg: qwen3_moe::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"decoder_sparse_step": 1, "moe_intermediate_size": 32,
+                               "num_experts_per_tok": 2, "num_experts": 4, "norm_topk_prob": true}),
+                    ))?;
+                    let m = RefCell::new(qwen3_moe::ModelForCausalLM::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "gemma3" => {
+                    // A window of 8 below the 16 tokens: the sliding layers' rotating cache.
+                    let cfg: gemma3::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0,
+                               "final_logit_softcapping": 30.0, "attn_logit_softcapping": null,
+                               "query_pre_attn_scalar": 8, "sliding_window": 8,
+                               "sliding_window_pattern": 2}),
+                    ))?;
+                    let m = RefCell::new(gemma3::Model::new(false, &cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                _ => {
+                    let cfg: mixtral::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"sliding_window": 64, "num_experts_per_tok": 2,
+                               "num_local_experts": 4, "use_flash_attn": false}),
+                    ))?;
+                    // Built again each step (its cache has no reset); the
+                    // VarBuilder hands out the same variables.
+                    let first = mixtral::Model::new(&cfg, vb.clone())?;
+                    let m = RefCell::new(Some(first));
+                    Box::new(move |_: &Accelerator| {
+                        let mut model = match m.borrow_mut().take() {
+                            Some(model) => model,
+                            None => mixtral::Model::new(&cfg, vb.clone())?,
+                        };
+                        last_loss(model.forward(&long, 0)?, &next)
+                    })
+                }
+            }
         }
         _ => {
             let cfg = llama_config()?;
@@ -100,7 +191,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    for which in ["bert", "llama"] {
+    for which in ["bert", "llama", "qwen3", "qwen3_moe", "gemma3", "mixtral"] {
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;
         }

@@ -83,13 +83,20 @@ impl Cache {
 pub struct KvCache {
     k: Cache,
     v: Cache,
+    // accel-rs patch: the cached keys and values with their graph while
+    // every append since the last reset could be reached by a backward.
+    tracked: Option<(Tensor, Tensor)>,
 }
 
 impl KvCache {
     pub fn new(dim: usize, max_seq_len: usize) -> Self {
         let k = Cache::new(dim, max_seq_len);
         let v = Cache::new(dim, max_seq_len);
-        Self { k, v }
+        Self {
+            k,
+            v,
+            tracked: None,
+        }
     }
 
     pub fn k_cache(&self) -> &Cache {
@@ -117,8 +124,35 @@ impl KvCache {
     }
 
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        // accel-rs patch (docs/design/candle-nn-patch.md): the in-place write
+        // takes contiguous values (a transposed `v` failed with "slice-set only
+        // supports contiguous tensors"), and while a backward can reach `k` or
+        // `v` the result is their concatenation, which keeps the graph (the
+        // buffer holds the same values, so inference is unchanged).
+        let (k, v) = (&k.contiguous()?, &v.contiguous()?);
+        let prev = self.k.current_seq_len();
         self.k.append(k)?;
         self.v.append(v)?;
+        if k.track_op() || v.track_op() {
+            let dim = self.k.dim;
+            let (gk, gv) = match self.tracked.take() {
+                None if prev == 0 => (k.clone(), v.clone()),
+                Some((tk, tv)) if tk.dim(dim)? == prev => {
+                    (Tensor::cat(&[&tk, k], dim)?, Tensor::cat(&[&tv, v], dim)?)
+                }
+                _ => {
+                    let pk = self.k.current_data()?.map(|d| d.narrow(dim, 0, prev)).transpose()?;
+                    let pv = self.v.current_data()?.map(|d| d.narrow(dim, 0, prev)).transpose()?;
+                    match (pk, pv) {
+                        (Some(pk), Some(pv)) => (Tensor::cat(&[&pk, k], dim)?, Tensor::cat(&[&pv, v], dim)?),
+                        _ => (k.clone(), v.clone()),
+                    }
+                }
+            };
+            self.tracked = Some((gk.clone(), gv.clone()));
+            return Ok((gk, gv));
+        }
+        self.tracked = None;
         let out_k = self.k.current_data()?;
         let out_v = self.v.current_data()?;
         let k = match out_k {
@@ -147,6 +181,7 @@ impl KvCache {
     pub fn reset(&mut self) {
         self.k.reset();
         self.v.reset();
+        self.tracked = None;
     }
 }
 
@@ -254,6 +289,11 @@ impl RotatingCache {
             }
             if self.current_seq_len >= self.max_seq_len {
                 Ok(ad.clone())
+            } else if self.current_seq_len == seq_len && src.track_op() {
+                // accel-rs patch: the first append since a reset, where a
+                // backward can reach `src`: the buffer now holds exactly
+                // `src`, returned with its graph (the in-place write has none).
+                Ok(src.contiguous()?)
             } else {
                 Ok(ad.narrow(self.dim, 0, self.current_seq_len)?)
             }
@@ -723,18 +763,23 @@ impl ConcatKvCache {
     /// Tuple of `(full_k, full_v)` containing all cached keys and values,
     /// including the newly appended data.
     pub fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        // Detach inputs to break BackpropOp chain - KV caches are inference-only.
-        let k = k.contiguous()?.detach();
-        let v = v.contiguous()?.detach();
+        // Upstream detaches here ("KV caches are inference-only"), which cut
+        // Qwen3's k_proj, v_proj and k_norm from every backward. accel-rs
+        // patch: detach only what no backward can reach (the values are the
+        // same either way).
+        let keep = k.track_op() || v.track_op();
+        let cut = |t: Tensor| if keep { t } else { t.detach() };
+        let k = cut(k.contiguous()?);
+        let v = cut(v.contiguous()?);
 
         self.k = Some(match &self.k {
             None => k,
-            Some(k_cache) => Tensor::cat(&[k_cache, &k], self.dim)?.detach(),
+            Some(k_cache) => cut(Tensor::cat(&[k_cache, &k], self.dim)?),
         });
 
         self.v = Some(match &self.v {
             None => v,
-            Some(v_cache) => Tensor::cat(&[v_cache, &v], self.dim)?.detach(),
+            Some(v_cache) => cut(Tensor::cat(&[v_cache, &v], self.dim)?),
         });
 
         Ok((

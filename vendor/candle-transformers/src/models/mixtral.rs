@@ -302,9 +302,14 @@ impl Module for SparseMoeBlock {
         let router_logits = xs.apply(&self.gate)?;
         let routing_weights = candle_nn::ops::softmax_last_dim(&router_logits)?;
 
+        // accel-rs patch (docs/design/candle-nn-patch.md): the choice of experts
+        // is read on the host, but the weights stay tensors (upstream rebuilt
+        // them from host floats as constants, so the router got no gradient,
+        // and as f32, which bf16 hidden states refused).
+        let routing_tensor = routing_weights.to_dtype(DType::F32)?;
         // In order to extract topk, we extract the data from the tensor and manipulate it
         // directly. Maybe we will want to use some custom ops instead at some point.
-        let routing_weights = routing_weights.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let routing_weights = routing_tensor.to_vec2::<f32>()?;
 
         // routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
         // top_x contains the row indexes to evaluate for each expert.
@@ -329,6 +334,16 @@ impl Module for SparseMoeBlock {
 
         // routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
         // expert_mask = torch.nn.functional.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        let n_experts = self.experts.len();
+        let mut chosen = vec![0f32; routing_weights.len() * n_experts];
+        for (e, rows) in top_x.iter().enumerate() {
+            for &r in rows {
+                chosen[r as usize * n_experts + e] = 1.0;
+            }
+        }
+        let chosen = Tensor::from_vec(chosen, (routing_weights.len(), n_experts), xs.device())?;
+        let kept = (&routing_tensor * &chosen)?;
+        let normed = kept.broadcast_div(&kept.sum_keepdim(1)?)?;
 
         let mut ys = xs.zeros_like()?;
         for (expert_idx, expert_layer) in self.experts.iter().enumerate() {
@@ -337,8 +352,11 @@ impl Module for SparseMoeBlock {
                 continue;
             }
             let top_x = Tensor::new(top_x.as_slice(), xs.device())?;
-            let selected_rws =
-                Tensor::new(selected_rws[expert_idx].as_slice(), xs.device())?.reshape(((), 1))?;
+            let _ = &selected_rws[expert_idx];
+            let selected_rws = normed
+                .index_select(&top_x, 0)?
+                .narrow(1, expert_idx, 1)?
+                .to_dtype(xs.dtype())?;
             // Index the correct hidden states and compute the expert hidden state for
             // the current expert. We need to make sure to multiply the output hidden
             // states by `routing_weights` on the corresponding tokens (top-1 and top-2)

@@ -133,22 +133,32 @@ impl Module for Qwen3SparseMoeBlock {
             .narrow(D::Minus1, 0, self.num_experts_per_tok)?
             .contiguous()?;
         let routing_weights = routing_weights.gather(&experts_per_tok, D::Minus1)?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): the weights stay
+        // tensors, so the router gets their gradient (upstream rebuilt them
+        // from host floats as constants).
+        let k = self.num_experts_per_tok;
+        let weights = routing_weights.to_dtype(DType::F32)?;
+        let weights = if self.norm_topk_prob {
+            weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?
+        } else {
+            weights
+        };
+        let weights = weights.flatten_all()?;
 
         // Extract needed data
         let routing_weights = routing_weights.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let experts_per_tok = experts_per_tok.to_vec2::<u32>()?;
         let mut top_x = vec![vec![]; self.experts.len()];
-        let mut selected_experts = vec![vec![]; self.experts.len()];
-        for (row_idx, (rw, expert_idxs)) in routing_weights
+        // Each (row, slot) of `weights` routed to the expert.
+        let mut slots = vec![vec![]; self.experts.len()];
+        for (row_idx, (_rw, expert_idxs)) in routing_weights
             .iter()
             .zip(experts_per_tok.iter())
             .enumerate()
         {
-            let sum_rw = rw.iter().sum::<f32>();
-            for (&rw, &expert_idx) in rw.iter().zip(expert_idxs.iter()) {
+            for (slot, &expert_idx) in expert_idxs.iter().enumerate() {
                 top_x[expert_idx as usize].push(row_idx as u32);
-                let rw = if self.norm_topk_prob { rw / sum_rw } else { rw };
-                selected_experts[expert_idx as usize].push(rw)
+                slots[expert_idx as usize].push((row_idx * k + slot) as u32);
             }
         }
 
@@ -160,10 +170,11 @@ impl Module for Qwen3SparseMoeBlock {
                 continue;
             }
             let top_x = Tensor::new(top_x.as_slice(), xs.device())?;
-            let selected_experts =
-                Tensor::new(selected_experts[expert_idx].as_slice(), xs.device())?
-                    .reshape(((), 1))?
-                    .to_dtype(xs.dtype())?;
+            let slot = Tensor::new(slots[expert_idx].as_slice(), xs.device())?;
+            let selected_experts = weights
+                .index_select(&slot, 0)?
+                .reshape(((), 1))?
+                .to_dtype(xs.dtype())?;
 
             let current_state = xs.index_select(&top_x, 0)?.reshape(((), hidden_dim))?;
             let current_hidden_states = expert_layer.forward(&current_state)?;
