@@ -307,3 +307,76 @@ fn flash_attn_differentiates_and_equals_the_cpu_kernels() -> Result<()> {
     }
     Ok(())
 }
+
+/// The patched KV caches: a tracked append returns bitwise the values an
+/// untracked one returns (inference is unchanged), and a backward through
+/// the result reaches every appended key and value (upstream cut it:
+/// `ConcatKvCache` detached, `KvCache` and `RotatingKvCache` wrote in place).
+#[test]
+fn kv_caches_keep_the_graph_and_return_the_same_values() -> Result<()> {
+    use candle_nn::kv_cache::{ConcatKvCache, KvCache, RotatingKvCache};
+    let parts: Vec<Tensor> = (0..4)
+        .map(|i| randn(&[1, 2, if i < 2 { 5 } else { 3 }, 4], 40 + i, 1.0))
+        .collect::<Result<_>>()?;
+    // A transposed value, as Gemma 3 hands it: not contiguous.
+    let v_t = |t: &Tensor| -> Result<Tensor> { t.transpose(2, 3)?.contiguous()?.transpose(2, 3) };
+    type AppendFn = dyn FnMut(&Tensor, &Tensor) -> Result<(Tensor, Tensor)>;
+    type Append<'a> = &'a mut AppendFn;
+    type MakeCache = Box<dyn Fn() -> Box<AppendFn>>;
+    let run = |append: Append, steps: &[(Tensor, Tensor)]| -> Result<Vec<(Tensor, Tensor)>> {
+        steps.iter().map(|(k, v)| append(k, &v_t(v)?)).collect()
+    };
+    let plain = [
+        (parts[0].clone(), parts[1].clone()),
+        (parts[2].clone(), parts[3].clone()),
+    ];
+    let vars: Vec<Var> = parts.iter().map(Var::from_tensor).collect::<Result<_>>()?;
+    let tracked = [
+        (vars[0].as_tensor().clone(), vars[1].as_tensor().clone()),
+        (vars[2].as_tensor().clone(), vars[3].as_tensor().clone()),
+    ];
+    let caches: [(&str, usize, MakeCache); 3] = [
+        (
+            "KvCache",
+            2,
+            Box::new(|| {
+                let mut c = KvCache::new(2, 16);
+                Box::new(move |k: &Tensor, v: &Tensor| c.append(k, v))
+            }),
+        ),
+        (
+            "ConcatKvCache",
+            2,
+            Box::new(|| {
+                let mut c = ConcatKvCache::new(2);
+                Box::new(move |k: &Tensor, v: &Tensor| c.append(k, v))
+            }),
+        ),
+        // One append (the rotating cache's tracked case): within its window.
+        (
+            "RotatingKvCache",
+            1,
+            Box::new(|| {
+                let mut c = RotatingKvCache::new(2, 8);
+                Box::new(move |k: &Tensor, v: &Tensor| c.append(k, v))
+            }),
+        ),
+    ];
+    for (name, steps, make) in caches {
+        let a = run(&mut *make(), &plain[..steps])?;
+        let b = run(&mut *make(), &tracked[..steps])?;
+        let (ka, va) = a.last().unwrap();
+        let (kb, vb) = b.last().unwrap();
+        let bits = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+        assert_eq!(bits(ka)?, bits(kb)?, "{name}: keys");
+        assert_eq!(bits(va)?, bits(vb)?, "{name}: values");
+        let grads = (kb.sum_all()? + vb.sum_all()?)?.backward()?;
+        for var in &vars[..2 * steps] {
+            assert!(
+                grads.get(var.as_tensor()).is_some(),
+                "{name}: an append lost its gradient"
+            );
+        }
+    }
+    Ok(())
+}
