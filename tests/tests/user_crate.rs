@@ -2,8 +2,8 @@
 //! from your own crate" says (the dependency and the `[patch.crates-io]`
 //! lines for the patched candle crates, since cargo applies patches only at
 //! the top of the user's workspace), builds against this checkout and
-//! trains candle-transformers' BERT, Llama, Qwen3, Qwen3-MoE, Gemma 3 and
-//! Mixtral in fp32 and bf16: every
+//! trains candle-transformers' BERT, Llama, Qwen3, Qwen3-MoE, Gemma 3,
+//! Mixtral, Mistral, Qwen2, DistilBERT and ModernBERT in fp32 and bf16: every
 //! parameter gets a gradient at every step, every loss is finite and falls
 //! (`tests/user_crate/src/main.rs` checks and prints them).
 //!
@@ -96,6 +96,14 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("gemma3", "bf16", 28),
         ("mixtral", "no", 41),
         ("mixtral", "bf16", 41),
+        ("mistral", "no", 21),
+        ("mistral", "bf16", 21),
+        ("qwen2", "no", 26),
+        ("qwen2", "bf16", 26),
+        ("distilbert", "no", 38),
+        ("distilbert", "bf16", 38),
+        ("modernbert", "no", 17),
+        ("modernbert", "bf16", 17),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

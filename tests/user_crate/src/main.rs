@@ -1,5 +1,6 @@
-//! What a candle user writes: candle-transformers' BERT (with a classification head), Llama,
-//! Qwen3, Qwen3-MoE, Gemma 3 and Mixtral, built with the Accelerator's VarBuilder and trained
+//! What a candle user writes: candle-transformers' BERT, DistilBERT and ModernBERT (with a
+//! classification head), Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Mixtral, built
+//! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
 //! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
 //! finite and falls.
@@ -11,7 +12,9 @@ use candle_core::{DType, Tensor, D};
 use candle_nn::{Module, VarMap};
 use std::cell::RefCell;
 
-use candle_transformers::models::{bert, gemma3, llama, mixtral, qwen3, qwen3_moe};
+use candle_transformers::models::{
+    bert, distilbert, gemma3, llama, mistral, mixtral, modernbert, qwen2, qwen3, qwen3_moe,
+};
 use serde_json::json;
 
 const STEPS: usize = 5;
@@ -81,12 +84,74 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                 Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
             })
         }
-        "qwen3" | "qwen3_moe" | "gemma3" | "mixtral" => {
+        "distilbert" | "modernbert" => {
+            // Encoders: mean-pooled hidden states through a classification head.
+            let mask = Tensor::new(&[[1u32, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], &dev)?;
+            let labels = Tensor::new(&[1u32, 0], &dev)?;
+            let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
+            let encode: Box<dyn Fn() -> candle_core::Result<Tensor>> = if which == "distilbert" {
+                let cfg: distilbert::Config = serde_json::from_value(json!({
+                    "vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64,
+                    "activation": "gelu", "max_position_embeddings": 32,
+                    "initializer_range": 0.02, "pad_token_id": 0
+                }))?;
+                let model = distilbert::DistilBertModel::load(vb.pp("distilbert"), &cfg)?;
+                // DistilBERT's mask marks the keys to hide.
+                let hide = (1.0 - mask.to_dtype(DType::F32)?)?
+                    .to_dtype(DType::U8)?
+                    .reshape((2, 1, 1, 6))?;
+                let ids = ids.clone();
+                Box::new(move || model.forward(&ids, &hide))
+            } else {
+                let cfg: modernbert::Config = serde_json::from_value(json!({
+                    "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "intermediate_size": 64,
+                    "max_position_embeddings": 32, "layer_norm_eps": 1e-5, "pad_token_id": 0,
+                    "global_attn_every_n_layers": 2, "global_rope_theta": 160000.0,
+                    "local_attention": 4, "local_rope_theta": 10000.0
+                }))?;
+                let model = modernbert::ModernBert::load(vb.pp("model"), &cfg)?;
+                let (ids, mask) = (ids.clone(), mask.clone());
+                Box::new(move || model.forward(&ids, &mask))
+            };
+            Box::new(move |acc: &Accelerator| {
+                let hidden = encode()?;
+                let m = mask.to_dtype(acc.compute_dtype())?.unsqueeze(D::Minus1)?;
+                let pooled = hidden.broadcast_mul(&m)?.sum(1)?.broadcast_div(&m.sum(1)?)?;
+                let logits = head.forward(&pooled)?.to_dtype(DType::F32)?;
+                Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
+            })
+        }
+        "qwen3" | "qwen3_moe" | "gemma3" | "mixtral" | "mistral" | "qwen2" => {
             // 2 x 16 tokens, so that every expert is routed some at every step.
             let long: Vec<u32> = (0..32u32).map(|i| (i * 7 + 3) % 64).collect();
             let long = Tensor::from_vec(long, (2, 16), &dev)?;
             let next = Tensor::new(&[3u32, 8], &dev)?;
             match which {
+                "mistral" => {
+                    let cfg: mistral::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"use_flash_attn": false, "head_dim": null}),
+                    ))?;
+                    let m = RefCell::new(mistral::Model::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "qwen2" => {
+                    let cfg: qwen2::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"sliding_window": 64}),
+                    ))?;
+                    let m = RefCell::new(qwen2::ModelForCausalLM::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
                 "qwen3" => {
                     let cfg: qwen3::Config = serde_json::from_value(decoder_json())?;
                     let m = RefCell::new(qwen3::ModelForCausalLM::new(&cfg, vb)?);
@@ -191,7 +256,18 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    for which in ["bert", "llama", "qwen3", "qwen3_moe", "gemma3", "mixtral"] {
+    for which in [
+        "bert",
+        "llama",
+        "qwen3",
+        "qwen3_moe",
+        "gemma3",
+        "mixtral",
+        "mistral",
+        "qwen2",
+        "distilbert",
+        "modernbert",
+    ] {
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;
         }

@@ -186,7 +186,10 @@ impl MultiHeadSelfAttention {
         let mask = attention_mask.broadcast_as(scores.shape())?;
 
         let scores = masked_fill(&scores.to_dtype(DType::F32)?, &mask, f32::NEG_INFINITY)?;
-        let weights = candle_nn::ops::softmax(&scores, candle::D::Minus1)?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): the f32 probabilities
+        // back in the values' dtype (bf16 refused the mixed product).
+        let weights =
+            candle_nn::ops::softmax(&scores, candle::D::Minus1)?.to_dtype(v.dtype())?;
 
         let context = weights.matmul(&v.contiguous()?)?;
         let context = context

@@ -134,7 +134,9 @@ impl ModernBertAttention {
 
         let att = q.matmul(&k.transpose(D::Minus2, D::Minus1)?)?;
 
-        let att = att.broadcast_add(attention_mask)?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): the f32 mask in the
+        // scores' dtype (bf16 scores refused it).
+        let att = att.broadcast_add(&attention_mask.to_dtype(att.dtype())?)?;
         let att = softmax(&att, D::Minus1)?;
 
         let xs = att.matmul(&v)?;

@@ -251,7 +251,10 @@ struct T5LayerNorm {
 
 impl T5LayerNorm {
     fn load(h: usize, eps: f64, vb: VarBuilder) -> Result<Self> {
-        let weight = vb.get(h, "weight")?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): a fresh norm starts
+        // at ones, as transformers initialises T5LayerNorm (candle's default,
+        // zeros, blocks learning); a checkpoint's weight is read as before.
+        let weight = vb.get_with_hints(h, "weight", candle_nn::Init::Const(1.0))?;
         Ok(Self {
             weight,
             variance_epsilon: eps,
