@@ -3,7 +3,8 @@
 //! lines for the patched candle crates, since cargo applies patches only at
 //! the top of the user's workspace), builds against this checkout and
 //! trains candle-transformers' BERT, Llama, Qwen3, Qwen3-MoE, Gemma 3,
-//! Mixtral, Mistral, Qwen2, DistilBERT and ModernBERT in fp32 and bf16: every
+//! Mixtral, Mistral, Qwen2, Phi-3, Gemma 2, StarCoder2, OLMo 2, StableLM,
+//! DistilBERT and ModernBERT in fp32 and bf16: every
 //! parameter gets a gradient at every step, every loss is finite and falls
 //! (`tests/user_crate/src/main.rs` checks and prints them).
 //!
@@ -104,6 +105,16 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("distilbert", "bf16", 38),
         ("modernbert", "no", 17),
         ("modernbert", "bf16", 17),
+        ("phi3", "no", 15),
+        ("phi3", "bf16", 15),
+        ("gemma2", "no", 24),
+        ("gemma2", "bf16", 24),
+        ("starcoder2", "no", 35),
+        ("starcoder2", "bf16", 35),
+        ("olmo2", "no", 25),
+        ("olmo2", "bf16", 25),
+        ("stable_lm", "no", 32),
+        ("stable_lm", "bf16", 32),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

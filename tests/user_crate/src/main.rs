@@ -1,5 +1,6 @@
 //! What a candle user writes: candle-transformers' BERT, DistilBERT and ModernBERT (with a
-//! classification head), Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 and Mixtral, built
+//! classification head), Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and 3, Mixtral, Phi-3,
+//! StarCoder2, OLMo 2 and StableLM, built
 //! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
 //! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
@@ -13,7 +14,8 @@ use candle_nn::{Module, VarMap};
 use std::cell::RefCell;
 
 use candle_transformers::models::{
-    bert, distilbert, gemma3, llama, mistral, mixtral, modernbert, qwen2, qwen3, qwen3_moe,
+    bert, distilbert, gemma2, gemma3, llama, mistral, mixtral, modernbert, olmo2, phi3, qwen2,
+    qwen3, qwen3_moe, stable_lm, starcoder2,
 };
 use serde_json::json;
 
@@ -122,12 +124,83 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                 Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
             })
         }
-        "qwen3" | "qwen3_moe" | "gemma3" | "mixtral" | "mistral" | "qwen2" => {
+        "qwen3" | "qwen3_moe" | "gemma3" | "mixtral" | "mistral" | "qwen2" | "phi3" | "gemma2"
+        | "starcoder2" | "olmo2" | "stable_lm" => {
             // 2 x 16 tokens, so that every expert is routed some at every step.
             let long: Vec<u32> = (0..32u32).map(|i| (i * 7 + 3) % 64).collect();
             let long = Tensor::from_vec(long, (2, 16), &dev)?;
             let next = Tensor::new(&[3u32, 8], &dev)?;
             match which {
+                "phi3" => {
+                    let cfg: phi3::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"bos_token_id": 1, "eos_token_id": 2, "rope_scaling": null,
+                               "original_max_position_embeddings": null,
+                               "partial_rotary_factor": 0.5}),
+                    ))?;
+                    let m = RefCell::new(phi3::Model::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "gemma2" => {
+                    let cfg: gemma2::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"hidden_activation": "gelu_pytorch_tanh",
+                               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+                               "query_pre_attn_scalar": 8, "sliding_window": 8}),
+                    ))?;
+                    let m = RefCell::new(gemma2::Model::new(false, &cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "starcoder2" => {
+                    let cfg: starcoder2::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"hidden_act": "gelu_pytorch_tanh", "norm_epsilon": 1e-5,
+                               "use_bias": true}),
+                    ))?;
+                    let m = RefCell::new(starcoder2::Model::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "olmo2" => {
+                    let cfg: olmo2::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"clip_qkv": null}),
+                    ))?;
+                    let m = RefCell::new(olmo2::Model::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "stable_lm" => {
+                    let cfg: stable_lm::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"partial_rotary_factor": 0.25, "layer_norm_eps": 1e-5,
+                               "use_cache": true, "use_qkv_bias": true}),
+                    ))?;
+                    // Built again each step (its cache has no reset); built
+                    // once now, so its variables exist when the model is prepared.
+                    let m = RefCell::new(Some(stable_lm::Model::new(&cfg, vb.clone())?));
+                    Box::new(move |_: &Accelerator| {
+                        let mut model = match m.borrow_mut().take() {
+                            Some(model) => model,
+                            None => stable_lm::Model::new(&cfg, vb.clone())?,
+                        };
+                        last_loss(model.forward(&long, 0)?, &next)
+                    })
+                }
                 "mistral" => {
                     let cfg: mistral::Config = serde_json::from_value(with(
                         decoder_json(),
@@ -267,6 +340,11 @@ fn main() -> Result<()> {
         "qwen2",
         "distilbert",
         "modernbert",
+        "phi3",
+        "gemma2",
+        "starcoder2",
+        "olmo2",
+        "stable_lm",
     ] {
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;
