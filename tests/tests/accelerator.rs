@@ -487,3 +487,16 @@ fn loading_an_older_checkpoint_by_path_never_makes_the_next_save_collide() {
     let next = b.save_state(None).unwrap();
     assert_eq!(next.file_name().unwrap(), "checkpoint_2");
 }
+
+/// A VarMap prepared before the model is built on it holds no parameter: a
+/// model built later (lazily, at its first forward) would never train, so
+/// preparing it is an error saying what to do.
+#[test]
+fn preparing_an_empty_varmap_is_an_error_naming_the_fix() {
+    let mut a = acc(AcceleratorConfig::default());
+    let err = a.prepare_model(&VarMap::new()).unwrap_err().to_string();
+    assert!(
+        err.contains("no parameters") && err.contains("var_builder"),
+        "{err}"
+    );
+}

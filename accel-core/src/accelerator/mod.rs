@@ -320,6 +320,17 @@ impl Accelerator {
         let data = varmap.data().lock().unwrap_or_else(|e| e.into_inner());
         let mut named: Vec<_> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         drop(data);
+        if named.is_empty() {
+            // A model built after this call (lazily, on its first forward)
+            // would create variables nothing ever trains, without a word.
+            return Err(Error::Config {
+                key: "prepare_model".into(),
+                reason: "the VarMap holds no parameters: build the model on \
+                         acc.var_builder(&varmap) before preparing it, or its weights would \
+                         never be trained"
+                    .into(),
+            });
+        }
         named.sort_by(|a, b| a.0.cmp(&b.0));
         if let Some((name, var)) = named
             .iter()
