@@ -4,7 +4,7 @@
 //! the top of the user's workspace), builds against this checkout and
 //! trains candle-transformers' BERT, Llama, Qwen3, Qwen3-MoE, Gemma 3,
 //! Mixtral, Mistral, Qwen2, Phi-3, Gemma 2, StarCoder2, OLMo 2, StableLM,
-//! DistilBERT and ModernBERT in fp32 and bf16: every
+//! DistilBERT, ModernBERT and T5 in fp32 and bf16: every
 //! parameter gets a gradient at every step, every loss is finite and falls
 //! (`tests/user_crate/src/main.rs` checks and prints them).
 //!
@@ -115,6 +115,8 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("olmo2", "bf16", 25),
         ("stable_lm", "no", 32),
         ("stable_lm", "bf16", 32),
+        ("t5", "no", 48),
+        ("t5", "bf16", 48),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

@@ -1,6 +1,6 @@
 //! What a candle user writes: candle-transformers' BERT, DistilBERT and ModernBERT (with a
 //! classification head), Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and 3, Mixtral, Phi-3,
-//! StarCoder2, OLMo 2 and StableLM, built
+//! StarCoder2, OLMo 2, StableLM and T5 (fresh), built
 //! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
 //! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
@@ -15,7 +15,7 @@ use std::cell::RefCell;
 
 use candle_transformers::models::{
     bert, distilbert, gemma2, gemma3, llama, mistral, mixtral, modernbert, olmo2, phi3, qwen2,
-    qwen3, qwen3_moe, stable_lm, starcoder2,
+    qwen3, qwen3_moe, stable_lm, starcoder2, t5,
 };
 use serde_json::json;
 
@@ -84,6 +84,26 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                 let pooled = hidden.broadcast_mul(&m)?.sum(1)?.broadcast_div(&m.sum(1)?)?;
                 let logits = head.forward(&pooled)?.to_dtype(DType::F32)?;
                 Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
+            })
+        }
+        "t5" => {
+            // An encoder-decoder, fresh: its layer norms must start at ones.
+            let cfg: t5::Config = serde_json::from_value(json!({
+                "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2,
+                "num_decoder_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8,
+                "dropout_rate": 0.0, "layer_norm_epsilon": 1e-6, "initializer_factor": 1.0,
+                "feed_forward_proj": "relu", "tie_word_embeddings": false,
+                "is_encoder_decoder": true, "pad_token_id": 0, "eos_token_id": 1,
+                "decoder_start_token_id": 0
+            }))?;
+            let m = RefCell::new(t5::T5ForConditionalGeneration::load(vb, &cfg)?);
+            let decoder_ids = Tensor::new(&[[0u32, 5, 9], [0, 7, 11]], &dev)?;
+            let next = Tensor::new(&[3u32, 8], &dev)?;
+            Box::new(move |_: &Accelerator| {
+                let mut m = m.borrow_mut();
+                m.clear_kv_cache();
+                let logits = m.forward(&ids, &decoder_ids)?.to_dtype(DType::F32)?;
+                Ok(candle_nn::loss::cross_entropy(&logits, &next)?)
             })
         }
         "distilbert" | "modernbert" => {
@@ -345,6 +365,7 @@ fn main() -> Result<()> {
         "starcoder2",
         "olmo2",
         "stable_lm",
+        "t5",
     ] {
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;
