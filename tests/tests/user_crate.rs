@@ -4,7 +4,7 @@
 //! the top of the user's workspace), builds against this checkout and
 //! trains candle-transformers' BERT, Llama, Qwen3, Qwen3-MoE, Gemma 3,
 //! Mixtral, Mistral, Qwen2, Phi-3, Gemma 2, StarCoder2, OLMo 2, StableLM,
-//! DistilBERT, ModernBERT and T5 in fp32 and bf16: every
+//! OLMo, Helium, Phi-2, DistilBERT, ModernBERT and T5 in fp32 and bf16: every
 //! parameter gets a gradient at every step, every loss is finite and falls
 //! (`tests/user_crate/src/main.rs` checks and prints them).
 //!
@@ -117,6 +117,12 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("stable_lm", "bf16", 32),
         ("t5", "no", 48),
         ("t5", "bf16", 48),
+        ("olmo", "no", 16),
+        ("olmo", "bf16", 16),
+        ("helium", "no", 21),
+        ("helium", "bf16", 21),
+        ("phi", "no", 33),
+        ("phi", "bf16", 33),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

@@ -1,6 +1,6 @@
 //! What a candle user writes: candle-transformers' BERT, DistilBERT and ModernBERT (with a
 //! classification head), Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and 3, Mixtral, Phi-3,
-//! StarCoder2, OLMo 2, StableLM and T5 (fresh), built
+//! Phi-2, StarCoder2, OLMo and OLMo 2, Helium, StableLM and T5 (fresh), built
 //! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
 //! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
@@ -14,8 +14,8 @@ use candle_nn::{Module, VarMap};
 use std::cell::RefCell;
 
 use candle_transformers::models::{
-    bert, distilbert, gemma2, gemma3, llama, mistral, mixtral, modernbert, olmo2, phi3, qwen2,
-    qwen3, qwen3_moe, stable_lm, starcoder2, t5,
+    bert, distilbert, gemma2, gemma3, helium, llama, mistral, mixtral, modernbert, olmo, olmo2, phi,
+    phi3, qwen2, qwen3, qwen3_moe, stable_lm, starcoder2, t5,
 };
 use serde_json::json;
 
@@ -145,7 +145,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
             })
         }
         "qwen3" | "qwen3_moe" | "gemma3" | "mixtral" | "mistral" | "qwen2" | "phi3" | "gemma2"
-        | "starcoder2" | "olmo2" | "stable_lm" => {
+        | "starcoder2" | "olmo2" | "stable_lm" | "olmo" | "helium" | "phi" => {
             // 2 x 16 tokens, so that every expert is routed some at every step.
             let long: Vec<u32> = (0..32u32).map(|i| (i * 7 + 3) % 64).collect();
             let long = Tensor::from_vec(long, (2, 16), &dev)?;
@@ -219,6 +219,44 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                             None => stable_lm::Model::new(&cfg, vb.clone())?,
                         };
                         last_loss(model.forward(&long, 0)?, &next)
+                    })
+                }
+                "olmo" => {
+                    let cfg: olmo::Config =
+                        serde_json::from_value(with(decoder_json(), json!({"clip_qkv": null})))?;
+                    let m = RefCell::new(olmo::Model::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "helium" => {
+                    let cfg: helium::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"bos_token_id": 1, "eos_token_id": 2, "mlp_bias": false,
+                               "use_flash_attn": false}),
+                    ))?;
+                    let m = RefCell::new(helium::Model::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "phi" => {
+                    // Phi-1/2: parallel attention and MLP, partial rotary, LayerNorm.
+                    let cfg: phi::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"hidden_act": "gelu_new", "layer_norm_eps": 1e-5,
+                               "partial_rotary_factor": 0.5, "qk_layernorm": false}),
+                    ))?;
+                    let m = RefCell::new(phi::Model::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        let logits = m.forward(&long)?.to_dtype(DType::F32)?;
+                        Ok(candle_nn::loss::cross_entropy(&logits, &next)?)
                     })
                 }
                 "mistral" => {
@@ -366,6 +404,9 @@ fn main() -> Result<()> {
         "olmo2",
         "stable_lm",
         "t5",
+        "olmo",
+        "helium",
+        "phi",
     ] {
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;

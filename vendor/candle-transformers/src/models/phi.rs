@@ -81,8 +81,10 @@ impl RotaryEmbedding {
         let (_b_size, _num_heads, seq_len, _headdim) = xs.dims4()?;
         let xs_rot = xs.i((.., .., .., ..self.dim))?.contiguous()?;
         let xs_pass = xs.i((.., .., .., self.dim..))?;
-        let c = self.cos.narrow(0, seqlen_offset, seq_len)?;
-        let s = self.sin.narrow(0, seqlen_offset, seq_len)?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): the f32 tables in the
+        // rotated values' dtype (bf16 refused them; f32 is unchanged).
+        let c = self.cos.narrow(0, seqlen_offset, seq_len)?.to_dtype(xs_rot.dtype())?;
+        let s = self.sin.narrow(0, seqlen_offset, seq_len)?.to_dtype(xs_rot.dtype())?;
         let xs_rot = candle_nn::rotary_emb::rope(&xs_rot, &c, &s)?;
         Tensor::cat(&[&xs_rot, &xs_pass], D::Minus1)
     }
