@@ -1,5 +1,5 @@
 //! What a candle user writes: candle-transformers' BERT, DistilBERT and ModernBERT (with a
-//! classification head), Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 and 3, Mixtral, Phi-3,
+//! classification head), Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma 2 and 3, Mixtral, Phi-3,
 //! Phi-2, StarCoder2, OLMo and OLMo 2, Helium, StableLM and T5 (fresh), built
 //! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
@@ -15,7 +15,7 @@ use std::cell::RefCell;
 
 use candle_transformers::models::{
     bert, distilbert, gemma2, gemma3, helium, llama, mistral, mixtral, modernbert, olmo, olmo2, phi,
-    phi3, qwen2, qwen3, qwen3_moe, stable_lm, starcoder2, t5,
+    phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2, t5,
 };
 use serde_json::json;
 
@@ -145,7 +145,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
             })
         }
         "qwen3" | "qwen3_moe" | "gemma3" | "mixtral" | "mistral" | "qwen2" | "phi3" | "gemma2"
-        | "starcoder2" | "olmo2" | "stable_lm" | "olmo" | "helium" | "phi" => {
+        | "starcoder2" | "olmo2" | "stable_lm" | "olmo" | "helium" | "phi" | "qwen2_moe" => {
             // 2 x 16 tokens, so that every expert is routed some at every step.
             let long: Vec<u32> = (0..32u32).map(|i| (i * 7 + 3) % 64).collect();
             let long = Tensor::from_vec(long, (2, 16), &dev)?;
@@ -219,6 +219,22 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                             None => stable_lm::Model::new(&cfg, vb.clone())?,
                         };
                         last_loss(model.forward(&long, 0)?, &next)
+                    })
+                }
+                "qwen2_moe" => {
+                    // Routed experts beside a gated shared expert.
+                    let cfg: qwen2_moe::Config = serde_json::from_value(with(
+                        decoder_json(),
+                        json!({"sliding_window": 64, "decoder_sparse_step": 1,
+                               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                               "num_experts_per_tok": 2, "num_experts": 4,
+                               "norm_topk_prob": false}),
+                    ))?;
+                    let m = RefCell::new(qwen2_moe::Model::new(&cfg, vb)?);
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        last_loss(m.forward(&long, 0)?, &next)
                     })
                 }
                 "olmo" => {
@@ -407,6 +423,7 @@ fn main() -> Result<()> {
         "olmo",
         "helium",
         "phi",
+        "qwen2_moe",
     ] {
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;

@@ -272,23 +272,33 @@ impl Module for SparseMoeBlock {
             .narrow(D::Minus1, 0, self.num_experts_per_tok)?
             .contiguous()?;
         let routing_weights = routing_weights.gather(&experts_per_tok, D::Minus1)?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): the weights stay
+        // tensors, so the router gets their gradient (upstream rebuilt them
+        // from host floats as constants).
+        let k = self.num_experts_per_tok;
+        let weights = routing_weights.to_dtype(DType::F32)?;
+        let weights = if self.norm_topk_prob {
+            weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?
+        } else {
+            weights
+        };
+        let weights = weights.flatten_all()?;
 
         // routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
         // top_x contains the row indexes to evaluate for each expert.
         let routing_weights = routing_weights.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let experts_per_tok = experts_per_tok.to_vec2::<u32>()?;
         let mut top_x = vec![vec![]; self.experts.len()];
-        let mut selected_experts = vec![vec![]; self.experts.len()];
-        for (row_idx, (rw, expert_idxs)) in routing_weights
+        // Each (row, slot) of `weights` routed to the expert.
+        let mut slots = vec![vec![]; self.experts.len()];
+        for (row_idx, (_rw, expert_idxs)) in routing_weights
             .iter()
             .zip(experts_per_tok.iter())
             .enumerate()
         {
-            let sum_rw = rw.iter().sum::<f32>();
-            for (&rw, &expert_idx) in rw.iter().zip(expert_idxs.iter()) {
+            for (slot, &expert_idx) in expert_idxs.iter().enumerate() {
                 top_x[expert_idx as usize].push(row_idx as u32);
-                let rw = if self.norm_topk_prob { rw / sum_rw } else { rw };
-                selected_experts[expert_idx as usize].push(rw)
+                slots[expert_idx as usize].push((row_idx * k + slot) as u32);
             }
         }
 
@@ -299,10 +309,11 @@ impl Module for SparseMoeBlock {
                 continue;
             }
             let top_x = Tensor::new(top_x.as_slice(), xs.device())?;
-            let selected_experts =
-                Tensor::new(selected_experts[expert_idx].as_slice(), xs.device())?
-                    .reshape(((), 1))?
-                    .to_dtype(xs.dtype())?;
+            let slot = Tensor::new(slots[expert_idx].as_slice(), xs.device())?;
+            let selected_experts = weights
+                .index_select(&slot, 0)?
+                .reshape(((), 1))?
+                .to_dtype(xs.dtype())?;
             // Index the correct hidden states and compute the expert hidden state for
             // the current expert. We need to make sure to multiply the output hidden
             // states by `routing_weights` on the corresponding tokens (top-1 and top-2)
