@@ -156,3 +156,55 @@ fn a_bf16_source_is_saved_in_bf16_and_a_model_from_scratch_in_fp32() {
     assert!(dtypes(&scratch).values().all(|&d| d == DType::F32));
     assert!(!scratch.join("config.json").exists());
 }
+
+/// The newer architectures round-trip too: each fixture prepared and saved
+/// holds the source's tensor names and shapes (transformers' own layout, so
+/// `from_pretrained` reads it), and loads back to transformers' logits.
+#[test]
+fn the_newer_architectures_save_folders_with_transformers_names() {
+    for name in ["qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/hf")
+            .join(name);
+        let mut acc = Accelerator::new(AcceleratorConfig::default()).unwrap();
+        let cfg = ModelConfig::from_path(&dir).unwrap();
+        let (_, params) = acc
+            .prepare_pretrained(&dir, |vb| {
+                AutoModel::new(&cfg, vb).map_err(accel_core::Error::from)
+            })
+            .unwrap();
+        let out = tempfile::tempdir().unwrap();
+        params.save_pretrained(&acc, out.path(), "5GB").unwrap();
+        let shapes = |d: &Path| -> BTreeMap<String, Vec<usize>> {
+            let src = CheckpointSource::open(d).unwrap();
+            src.names()
+                .map(|n| (n.to_string(), src.locate(n).unwrap().shape().to_vec()))
+                .collect()
+        };
+        assert_eq!(shapes(out.path()), shapes(&dir), "{name}");
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let rows: Vec<Vec<u32>> = serde_json::from_value(r["input_ids"].clone()).unwrap();
+        let ids =
+            Tensor::from_vec(rows.concat(), (rows.len(), rows[0].len()), &Device::Cpu).unwrap();
+        let model = AutoModel::load(out.path(), DType::F32, &Device::Cpu).unwrap();
+        let got: Vec<f32> = model
+            .forward(&ids)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let want: Vec<f32> = serde_json::from_value::<Vec<Vec<Vec<f32>>>>(r["logits"].clone())
+            .unwrap()
+            .concat()
+            .concat();
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(d < 1e-4, "{name}: saved folder's logits differ by {d}");
+    }
+}
