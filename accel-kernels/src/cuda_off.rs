@@ -281,6 +281,8 @@ pub struct FlashMask {
     pub scale: f32,
     /// Causal masking with the first query at this absolute position.
     pub causal_offset: Option<usize>,
+    /// With `causal_offset`, a sliding window of this many keys.
+    pub window: Option<usize>,
 }
 
 /// Whether the CUDA attention kernels take these operands; never in this

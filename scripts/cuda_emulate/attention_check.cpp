@@ -21,6 +21,7 @@ struct Case {
     float fill;      // the padding value (-inf, or -1e9)
     int dtype;       // 0 f32, 1 bf16, 2 f16
     bool strided;    // q, k, v as head views of one [b, t, 3, h, d] buffer (needs s == t, kvh == h)
+    u32 window;      // with causal: a sliding window (0: none)
 };
 
 template <typename T>
@@ -62,6 +63,7 @@ bool run(const Case& c, int n) {
     a.b = b, a.h = h, a.kvh = kvh, a.t = t, a.s = s, a.d = d;
     a.causal = c.causal, a.offset = c.offset, a.scale = 1.0f / std::sqrt((float)d);
     a.has_bias = c.pad;
+    a.window = c.window;
     std::vector<typename T::raw> qkv, qbuf, kbuf, vbuf;
     size_t qoff = 0, koff = 0, voff = 0;
     const typename T::raw *qp, *kp, *vp;
@@ -103,7 +105,8 @@ bool run(const Case& c, int n) {
                 u64 row = ((u64)bi * h + hi) * t + i;
                 double m = -INFINITY;
                 for (u32 j = 0; j < s; ++j) {
-                    bool vis = !c.causal || j <= c.offset + i;
+                    bool vis = (!c.causal || j <= c.offset + i) &&
+                               (c.window == 0 || c.offset + i < j + c.window);
                     double sc = -INFINITY;
                     if (vis) {
                         double dot = 0;
@@ -197,8 +200,8 @@ bool run(const Case& c, int n) {
         std::snprintf(buf, sizeof buf, " %s %.2e", names[k], errs[k]);
         line += buf;
     }
-    std::printf("case %d: b %u h %u kvh %u t %u s %u d %u causal %d offset %u pad %d dtype %d strided %d:%s %s\n",
-                n, b, h, kvh, t, s, d, c.causal, c.offset, c.pad, c.dtype, c.strided,
+    std::printf("case %d: b %u h %u kvh %u t %u s %u d %u causal %d offset %u window %u pad %d dtype %d strided %d:%s %s\n",
+                n, b, h, kvh, t, s, d, c.causal, c.offset, c.window, c.pad, c.dtype, c.strided,
                 (line + mma_line).c_str(), ok ? "ok" : "FAILED");
     return ok;
 }
@@ -223,6 +226,11 @@ int main() {
         {4, 2, 2, 3, 3, 64, false, 0, true, NEG, 1, false},
         {1, 4, 4, 5, 133, 128, true, 128, false, 0, 2, false},
         {2, 4, 1, 70, 97, 64, false, 0, true, -1e9f, 1, false},
+        // Sliding windows (Mistral, Gemma's local layers): from position 0 over several key
+        // tiles, after a KV cache, and on the tensor-core paths.
+        {1, 4, 2, 70, 70, 64, true, 0, false, 0, 0, false, 16},
+        {1, 4, 4, 5, 133, 128, true, 128, false, 0, 2, false, 40},
+        {2, 4, 4, 100, 100, 64, true, 0, false, 0, 1, false, 33},
     };
     int n = 0;
     bool ok = true;

@@ -24,13 +24,16 @@
 #define FA_KV_BC (FA_KV_KEYS * FA_WARPS)
 #define FA_KV_BQ 32
 
-// The shapes, mask and strides of one call, passed by value (`FlashDims` in launch.rs: ten
-// 4-byte fields, then thirteen u64s).
+// The shapes, mask and strides of one call, passed by value (`FlashDims` in attention.rs:
+// twelve 4-byte fields, then thirteen u64s).
 struct FlashDims {
     u32 b, h, kvh, t, s, d;
     u32 causal, offset;
     float scale;
     u32 has_bias;
+    // With `causal`: a sliding window, key j visible from query i when offset + i - j < window
+    // (0: none); `pad0` keeps the u64s 8-aligned.
+    u32 window, pad0;
     u64 qs[3], ks[3], vs[3];  // element strides over (batch, head, row)
     u64 bs[4];                // the bias's over (batch, head, query, key)
 };
@@ -56,7 +59,8 @@ __device__ __forceinline__ u32 fa_sw(u32 r, u32 c) { return r * FA_DMAX + (c ^ (
 // The scaled score of query i and key j plus the bias, or -inf where j is not visible.
 __device__ __forceinline__ float fa_score(const FlashDims &a, const float *bias, float dot, u32 bi,
                                           u32 hi, u32 i, u32 j) {
-    bool visible = i < a.t && j < a.s && (!a.causal || (u64)j <= (u64)a.offset + i);
+    bool visible = i < a.t && j < a.s && (!a.causal || (u64)j <= (u64)a.offset + i) &&
+                   (a.window == 0 || (u64)a.offset + i < (u64)j + a.window);
     if (!visible) {
         return FA_NEG_INF;
     }

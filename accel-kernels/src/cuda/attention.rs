@@ -46,6 +46,9 @@ pub struct FlashMask {
     /// Causal masking with the first query at this absolute position (key
     /// `j` visible from query `i` when `j <= offset + i`).
     pub causal_offset: Option<usize>,
+    /// With `causal_offset`, a sliding window: key `j` visible from query
+    /// `i` only when `offset + i - j < window`.
+    pub window: Option<usize>,
 }
 
 /// `struct FlashDims` of `attention.cu`, passed by value.
@@ -62,13 +65,15 @@ pub(crate) struct FlashDims {
     pub offset: u32,
     pub scale: f32,
     pub has_bias: u32,
+    pub window: u32,
+    pub pad0: u32,
     pub qs: [u64; 3],
     pub ks: [u64; 3],
     pub vs: [u64; 3],
     pub bs: [u64; 4],
 }
 
-const _: () = assert!(std::mem::size_of::<FlashDims>() == 144);
+const _: () = assert!(std::mem::size_of::<FlashDims>() == 152);
 
 impl FlashDims {
     /// Elements of q, the output and their gradients.
@@ -196,7 +201,11 @@ fn flash_dims(
     let offset = mask.causal_offset.unwrap_or(0);
     // Grids: (b * h, tiles), at most 65535 tiles.
     let tiles_fit = t.div_ceil(DQ_ROWS) <= 65_535 && s.div_ceil(KV_KEYS) <= 65_535;
-    let fits = [b * h, b * kvh, t, s, offset]
+    let window = mask
+        .window
+        .filter(|_| mask.causal_offset.is_some())
+        .unwrap_or(0);
+    let fits = [b * h, b * kvh, t, s, offset, window]
         .iter()
         .all(|&v| small(v).is_some());
     if !(fits && tiles_fit) {
@@ -227,6 +236,8 @@ fn flash_dims(
         offset: offset as u32,
         scale: mask.scale,
         has_bias: bias.is_some() as u32,
+        window: window as u32,
+        pad0: 0,
         qs: strides(ql, 0)?,
         ks: strides(kl, 1)?,
         vs: strides(vl, 2)?,

@@ -43,6 +43,7 @@ pub(crate) fn attention_cuda(
         mask: FlashMask {
             scale: scale as f32,
             causal_offset: mask.causal_offset,
+            window: mask.window,
         },
         bias: mask.bias,
         lse: Mutex::new(None),

@@ -127,8 +127,7 @@ pub fn scaled_dot_product_attention(
     let (_, bias) = mask.parts();
     let same_dtype = k.dtype() == q.dtype() && v.dtype() == q.dtype();
     let bias_is_constant = bias.is_none_or(|b| !b.track_op());
-    // The CUDA kernel has no window yet.
-    let cuda = mask.window().is_none() && takes_cuda(q, k, v, bias_is_constant);
+    let cuda = takes_cuda(q, k, v, bias_is_constant);
     if !(cuda || fused(q) && same_dtype && bias_is_constant) {
         return composed_attention(q, k, v, mask, scale);
     }

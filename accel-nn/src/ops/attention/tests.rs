@@ -226,6 +226,8 @@ struct CudaCase {
     dtype: candle_core::DType,
     /// q, k and v as head views of one fused `[b, t, 3 * h * d]` buffer.
     strided: bool,
+    /// With `causal`, a sliding window.
+    window: Option<usize>,
 }
 
 /// The tiled kernels of `attention.cu` against the CPU's tiled kernel,
@@ -246,6 +248,7 @@ fn cuda_attention_matches_the_cpu_kernel_and_its_gradients() -> Result<()> {
         pad,
         dtype,
         strided,
+        window: None,
     };
     let cases = [
         case((2, 4, 4, 37, 37, 64), Some(0), None, F32, false),
@@ -263,12 +266,21 @@ fn cuda_attention_matches_the_cpu_kernel_and_its_gradients() -> Result<()> {
         case((2, 3, 3, 65, 65, 64), Some(0), Some(-1e9), F32, true),
         case((1, 8, 2, 130, 130, 128), Some(0), None, BF16, false),
         case((2, 4, 4, 100, 100, 64), Some(0), None, F16, true),
+        // Sliding windows: over several key tiles, and after a KV cache.
+        CudaCase {
+            window: Some(16),
+            ..case((1, 4, 2, 70, 70, 64), Some(0), None, F32, false)
+        },
+        CudaCase {
+            window: Some(40),
+            ..case((1, 4, 4, 5, 133, 128), Some(128), None, BF16, false)
+        },
     ];
     for (n, c) in cases.iter().enumerate() {
         let (b, h, kvh, t, s, d) = c.dims;
         let what = format!(
-            "case {n} {:?} {:?} pad {:?} {:?}",
-            c.dims, c.causal, c.pad, c.dtype
+            "case {n} {:?} {:?} window {:?} pad {:?} {:?}",
+            c.dims, c.causal, c.window, c.pad, c.dtype
         );
         let scale = 1.0 / (d as f64).sqrt();
         let seed = 300 + 10 * n as u64;
@@ -297,7 +309,7 @@ fn cuda_attention_matches_the_cpu_kernel_and_its_gradients() -> Result<()> {
             };
             let spec = MaskSpec {
                 causal_offset: c.causal,
-                window: None,
+                window: c.window,
                 bias: bias
                     .as_ref()
                     .map(|x| x.to_device(dev)?.broadcast_as((b, h, t, s)))
