@@ -4,8 +4,8 @@
 //! the top of the user's workspace), builds against this checkout and
 //! trains candle-transformers' BERT, Llama, Qwen3, Qwen3-MoE, Gemma 3,
 //! Mixtral, Mistral, Qwen2, Phi-3, Gemma 2, StarCoder2, OLMo 2, StableLM,
-//! OLMo, Helium, Phi-2, Qwen2-MoE, DistilBERT, ModernBERT and T5 in fp32 and
-//! bf16: every
+//! OLMo, Helium, Phi-2, Qwen2-MoE, Falcon, DistilBERT, ModernBERT and T5 in
+//! fp32 and bf16: every
 //! parameter gets a gradient at every step, every loss is finite and falls
 //! (`tests/user_crate/src/main.rs` checks and prints them).
 //!
@@ -126,6 +126,8 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("phi", "bf16", 33),
         ("qwen2_moe", "no", 55),
         ("qwen2_moe", "bf16", 55),
+        ("falcon", "no", 16),
+        ("falcon", "bf16", 16),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

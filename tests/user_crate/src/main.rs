@@ -1,6 +1,6 @@
 //! What a candle user writes: candle-transformers' BERT, DistilBERT and ModernBERT (with a
 //! classification head), Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma 2 and 3, Mixtral, Phi-3,
-//! Phi-2, StarCoder2, OLMo and OLMo 2, Helium, StableLM and T5 (fresh), built
+//! Phi-2, StarCoder2, OLMo and OLMo 2, Helium, StableLM, Falcon and T5 (fresh), built
 //! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
 //! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
@@ -14,7 +14,7 @@ use candle_nn::{Module, VarMap};
 use std::cell::RefCell;
 
 use candle_transformers::models::{
-    bert, distilbert, gemma2, gemma3, helium, llama, mistral, mixtral, modernbert, olmo, olmo2, phi,
+    bert, distilbert, falcon, gemma2, gemma3, helium, llama, mistral, mixtral, modernbert, olmo, olmo2, phi,
     phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2, t5,
 };
 use serde_json::json;
@@ -145,7 +145,8 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
             })
         }
         "qwen3" | "qwen3_moe" | "gemma3" | "mixtral" | "mistral" | "qwen2" | "phi3" | "gemma2"
-        | "starcoder2" | "olmo2" | "stable_lm" | "olmo" | "helium" | "phi" | "qwen2_moe" => {
+        | "starcoder2" | "olmo2" | "stable_lm" | "olmo" | "helium" | "phi" | "qwen2_moe"
+        | "falcon" => {
             // 2 x 16 tokens, so that every expert is routed some at every step.
             let long: Vec<u32> = (0..32u32).map(|i| (i * 7 + 3) % 64).collect();
             let long = Tensor::from_vec(long, (2, 16), &dev)?;
@@ -235,6 +236,29 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                         let mut m = m.borrow_mut();
                         m.clear_kv_cache();
                         last_loss(m.forward(&long, 0)?, &next)
+                    })
+                }
+                "falcon" => {
+                    // Falcon-7B's layout: multi-query attention, parallel attention and
+                    // MLP, rotary embeddings.
+                    let cfg: falcon::Config = serde_json::from_value(json!({
+                        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "layer_norm_epsilon": 1e-5,
+                        "initializer_range": 0.02, "use_cache": true, "bos_token_id": 1,
+                        "eos_token_id": 2, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                        "n_head_kv": null, "alibi": false, "new_decoder_architecture": false,
+                        "multi_query": true, "parallel_attn": true, "bias": false
+                    }))?;
+                    let m = RefCell::new(falcon::Falcon::load(vb, cfg)?);
+                    // candle's multi-query Falcon takes one sequence at a time
+                    // (a batch of 2 fails in its attention's broadcast).
+                    let one = long.narrow(0, 0, 1)?;
+                    let next = next.narrow(0, 0, 1)?;
+                    Box::new(move |_: &Accelerator| {
+                        let mut m = m.borrow_mut();
+                        m.clear_kv_cache();
+                        let logits = m.forward(&one)?.to_dtype(DType::F32)?;
+                        Ok(candle_nn::loss::cross_entropy(&logits, &next)?)
                     })
                 }
                 "olmo" => {
@@ -424,6 +448,7 @@ fn main() -> Result<()> {
         "helium",
         "phi",
         "qwen2_moe",
+        "falcon",
     ] {
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;
