@@ -141,7 +141,6 @@ impl DecoderLayer {
             self.cfg.num_attention_heads,
             self.cfg.num_key_value_heads,
         );
-        let t = h.dim(1)?;
         let (q, k, v) = match &self.qkv {
             Qkv::Separate(qkv) => {
                 let [q, k, v] = &**qkv;
@@ -170,20 +169,8 @@ impl DecoderLayer {
         };
         let rd = self.cfg.rope.rotary_dim;
         let (q, k) = (rope::apply(&q, tables, rd)?, rope::apply(&k, tables, rd)?);
-        let (k, v) = match &x.cache {
-            Some(slot) => {
-                let mut cache = slot.lock().unwrap_or_else(|e| e.into_inner());
-                // A sliding layer's cache holds only what its window still sees.
-                if let Some(w) = self.window {
-                    cache.keep_last(w.saturating_sub(1))?;
-                }
-                cache.append(&k, &v)?
-            }
-            None => (k, v),
-        };
-        let mask = parts::causal_mask(x, t, k.dim(2)?, self.window)?;
-        let y = ops::scaled_dot_product_attention(&q, &k, &v, &mask, 1.0 / (hd as f64).sqrt())?;
-        self.o_proj.forward(&parts::merge_heads(&y)?)
+        let y = parts::causal_attention(x, (q, k, v), self.window, 1.0 / (hd as f64).sqrt())?;
+        self.o_proj.forward(&y)
     }
 
     fn mlp(&self, h: &Tensor) -> candle_core::Result<Tensor> {

@@ -97,7 +97,6 @@ impl Layer {
             self.cfg.num_attention_heads,
             self.cfg.num_key_value_heads,
         );
-        let t = h.dim(1)?;
         let q = self
             .q_norm
             .forward(&parts::split_heads(&self.q_proj.forward(h)?, nh, hd)?)?;
@@ -110,21 +109,9 @@ impl Layer {
         };
         let (q, k) = (ops::rope(&q, cos, sin)?, ops::rope(&k, cos, sin)?);
         let window = self.sliding.then_some(self.cfg.sliding_window);
-        let (k, v) = match &x.cache {
-            Some(slot) => {
-                let mut cache = slot.lock().unwrap_or_else(|e| e.into_inner());
-                // A sliding layer's cache holds only what its window still sees.
-                if let Some(w) = window {
-                    cache.keep_last(w.saturating_sub(1))?;
-                }
-                cache.append(&k, &v)?
-            }
-            None => (k, v),
-        };
-        let mask = parts::causal_mask(x, t, k.dim(2)?, window)?;
         let scale = self.cfg.query_pre_attn_scalar.powf(-0.5);
-        let y = ops::scaled_dot_product_attention(&q, &k, &v, &mask, scale)?;
-        self.o_proj.forward(&parts::merge_heads(&y)?)
+        let y = parts::causal_attention(x, (q, k, v), window, scale)?;
+        self.o_proj.forward(&y)
     }
 }
 

@@ -77,6 +77,35 @@ pub(crate) fn causal_mask(
     })
 }
 
+/// A decoder layer's causal attention on its rotated heads `q [b, h, t, hd]`
+/// and `k`, `v [b, kv_h, t, hd]`: the keys and values appended to the
+/// activations' cache when there is one (a sliding layer's cache first cut
+/// to the `window - 1` positions its queries can still see, so it stops
+/// growing at the window), the causal mask (with the window and the
+/// activations' bias), and the heads merged back to `[b, t, h * hd]`.
+pub(crate) fn causal_attention(
+    x: &Activations,
+    (q, k, v): (Tensor, Tensor, Tensor),
+    window: Option<usize>,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let t = q.dim(2)?;
+    let (k, v) = match &x.cache {
+        Some(slot) => {
+            let mut cache = slot.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(w) = window {
+                cache.keep_last(w.saturating_sub(1))?;
+            }
+            cache.append(&k, &v)?
+        }
+        None => (k, v),
+    };
+    let mask = causal_mask(x, t, k.dim(2)?, window)?;
+    merge_heads(&ops::scaled_dot_product_attention(
+        &q, &k, &v, &mask, scale,
+    )?)
+}
+
 /// `[b, t, heads * hd]` to `[b, heads, t, hd]`.
 pub(crate) fn split_heads(x: &Tensor, heads: usize, hd: usize) -> candle_core::Result<Tensor> {
     let (b, t, _) = x.dims3()?;
