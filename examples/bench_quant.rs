@@ -19,7 +19,10 @@
 //! `bf16`, accel-nn's linear on the weight in bf16; `candle_q4_0`, candle's
 //! `QMatMul` on the same weight quantized to Q4_0 (forward only, f32
 //! inputs, as candle's quantized models run). All sides alternate in one
-//! process on the same random weight.
+//! process on the same random weight. Where this CPU has narrower 4-bit
+//! paths than its default (`quant_path`), `nf4_avx2` / `nf4_portable` time
+//! them too, beside `bf16_f32_path` (bf16 products in f32): what a CPU
+//! without AVX-512 runs, measured here.
 //!
 //! `decode`: tokens/s of greedy generation with a KV cache, `--new-tokens`
 //! after an 8-token prompt, the model loaded in bf16 and in 4-bit NF4
@@ -34,6 +37,7 @@ use accel_core::bigmodel::quant::{BnbQuantizationConfig, QuantType, QuantizeOnLo
 use accel_core::bigmodel::CheckpointSource;
 use accel_core::models::AutoModel;
 use accel_core::nn::layers::{linear_no_bias, Linear, QuantSpec};
+use accel_core::nn::ops::{quant_path, with_bf16_path, with_quant_path, Bf16Path, QuantPath};
 use accel_examples::bench_proc::{run_side, script_checkpoint, status_kib};
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -125,6 +129,13 @@ fn nf4_layer(dir: &Path, w: &Tensor) -> Result<Linear> {
     Ok(layer)
 }
 
+/// The 4-bit paths this CPU has besides its default, widest first.
+fn narrower_paths() -> impl Iterator<Item = QuantPath> {
+    QuantPath::ALL
+        .into_iter()
+        .filter(|p| p.available() && *p != quant_path())
+}
+
 /// The `linear` section: every shape and row count.
 fn linear_section(args: &Args) -> Result<Value> {
     let dev = Device::Cpu;
@@ -165,6 +176,16 @@ fn linear_section(args: &Args) -> Result<Value> {
                     })?,
                 },
             });
+            // What a CPU without AVX-512 runs: the 4-bit kernels' AVX2
+            // form, bf16 products in f32 (gemm still picks its own kernels).
+            for path in narrower_paths() {
+                let t = with_quant_path(path, || time(args.reps, || fwd(&nf4)))??;
+                row["forward_s"][format!("nf4_{}", path.name())] = json!(t);
+            }
+            if narrower_paths().next().is_some() {
+                let t = with_bf16_path(Bf16Path::F32, || time(args.reps, || fwd(&bf16)))??;
+                row["forward_s"]["bf16_f32_path"] = json!(t);
+            }
             if m > 1 {
                 let g = Tensor::randn(0f32, 1.0, (m, out), &dev)?.to_dtype(DType::BF16)?;
                 let bwd = |l: &Linear| -> Result<()> {
@@ -177,6 +198,14 @@ fn linear_section(args: &Args) -> Result<Value> {
                     "nf4": time(args.reps, || bwd(&nf4))?,
                     "bf16": time(args.reps, || bwd(&bf16))?,
                 });
+                for path in narrower_paths() {
+                    let t = with_quant_path(path, || time(args.reps, || bwd(&nf4)))??;
+                    row["forward_and_input_grad_s"][format!("nf4_{}", path.name())] = json!(t);
+                }
+                if narrower_paths().next().is_some() {
+                    let t = with_bf16_path(Bf16Path::F32, || time(args.reps, || bwd(&bf16)))??;
+                    row["forward_and_input_grad_s"]["bf16_f32_path"] = json!(t);
+                }
             }
             let f = &row["forward_s"];
             let (n, b, c) = (
@@ -275,6 +304,8 @@ fn main() -> Result<()> {
         "model": dir.display().to_string(),
         "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
         "reps": args.reps,
+        "quant_path": quant_path().name(),
+        "bf16_path": accel_core::nn::ops::bf16_path().name(),
         "linear": linear,
         "decode": decode,
     });

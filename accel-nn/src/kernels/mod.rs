@@ -55,6 +55,7 @@ pub(crate) use linear::{linear, Act};
 pub(crate) use loss::{cross_entropy, linear_cross_entropy, LOGITS_BUDGET};
 pub(crate) use loss_chunked::chunked_linear_cross_entropy;
 pub(crate) use norm::{layer_norm, rms_norm};
+pub use quant::{quant_path, with_quant_path, QuantPath};
 pub(crate) use quant::{quantized_linear, QuantTensors, Store};
 pub(crate) use rope::rope;
 pub(crate) use softmax::{log_softmax_last_dim, softmax_last_dim};

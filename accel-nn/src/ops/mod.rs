@@ -19,7 +19,10 @@ mod quantized;
 mod rope;
 mod softmax;
 
-pub use crate::kernels::{attention_kernel, bf16_path, with_bf16_path, AttentionKernel, Bf16Path};
+pub use crate::kernels::{
+    attention_kernel, bf16_path, quant_path, with_bf16_path, with_quant_path, AttentionKernel,
+    Bf16Path, QuantPath,
+};
 pub use activation::{gelu, gelu_tanh, relu, silu, swiglu, Activation};
 pub use attention::{
     attention_qkv, cuda_flash_attention, scaled_dot_product_attention, AttentionMask,

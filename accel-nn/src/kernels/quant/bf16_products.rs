@@ -5,6 +5,7 @@
 //! time, never whole.
 
 use super::super::gemm_bf16::{gemm_new_bf16_packed, Packed, PackedB, MR, NR};
+use super::super::raw::quant::Simd;
 use super::super::raw::{bf16_tile_available, par, MatRef};
 use super::{dequant, transpose, QuantRef};
 
@@ -57,7 +58,7 @@ pub(super) fn backward_input(dy: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
                 } else {
                     b.fill(0.0);
                 }
-                super::super::raw::quant::pair_rows(&a, &b, &mut dst[..inp]);
+                super::super::raw::quant::pair_rows(Simd::Avx512, &a, &b, &mut dst[..inp]);
             }
         });
         PackedB {

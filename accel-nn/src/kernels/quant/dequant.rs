@@ -1,5 +1,6 @@
 //! Tiles of a quantized weight as f32 values.
 
+use super::super::raw::quant::{self as simd_quant, Simd};
 #[cfg(test)]
 use super::Scales;
 use super::{QuantRef, Store};
@@ -33,10 +34,17 @@ pub(super) fn tile(
             blocksize,
             store,
             compute,
+            simd,
             ..
         } => {
             let round = |v: f32| compute.round(store.round(v));
-            let exact = store == Store::F32 && compute == Store::F32;
+            // Values the vector kernels make: `code * s` exactly, or
+            // rounded to bf16 once (from either side, the same rounding).
+            let vector = match (store, compute) {
+                (Store::F32, Store::F32) => Some(false),
+                (Store::F32 | Store::Bf16, Store::F32 | Store::Bf16) => Some(true),
+                _ => None,
+            };
             let mut maxima = Vec::new();
             for r in 0..rows {
                 let base = (r0 + r) * inp;
@@ -54,7 +62,12 @@ pub(super) fn tile(
                     let b = (base + k) / blocksize;
                     let end = ((b + 1) * blocksize - base).min(k0 + kc);
                     let out = &mut row[k - k0..end - k0];
-                    span(packed, codes, maxima[b - b0], (exact, round), base + k, out);
+                    let how = Values {
+                        simd,
+                        vector,
+                        round: &round,
+                    };
+                    span(packed, codes, maxima[b - b0], &how, base + k, out);
                     k = end;
                 }
             }
@@ -76,19 +89,28 @@ pub(super) fn tile(
     }
 }
 
+/// How [`span`] makes a block's values.
+struct Values<'a, R: Fn(f32) -> f32> {
+    simd: Simd,
+    /// `Some(round_bf16)` where the vector kernels make the values.
+    vector: Option<bool>,
+    /// The rounding otherwise.
+    round: &'a R,
+}
+
 /// The values of flattened elements `e0..e0 + out.len()` of one block
 /// (scale `s`): pairs of codes a byte, the even element in the high nibble,
-/// each `code * s` then `round`ed (`exact`: no rounding at all, which takes
-/// the vector form).
+/// each `code * s` then rounded as `how` says.
 #[inline(always)]
-fn span(
+fn span<R: Fn(f32) -> f32>(
     packed: &[u8],
     codes: &[f32; 16],
     s: f32,
-    (exact, round): (bool, impl Fn(f32) -> f32),
+    how: &Values<R>,
     e0: usize,
     out: &mut [f32],
 ) {
+    let round = how.round;
     let mut i = 0;
     if e0 % 2 == 1 && !out.is_empty() {
         out[0] = round(codes[(packed[e0 / 2] & 15) as usize] * s);
@@ -96,12 +118,16 @@ fn span(
     }
     let pairs = (out.len() - i) / 2;
     let bytes = &packed[(e0 + i) / 2..][..pairs];
-    if exact && super::super::raw::quant::span_available() {
-        super::super::raw::quant::span_f32(bytes, codes, s, &mut out[i..i + 2 * pairs]);
-    } else {
-        for (o, &byte) in out[i..i + 2 * pairs].chunks_exact_mut(2).zip(bytes) {
-            o[0] = round(codes[(byte >> 4) as usize] * s);
-            o[1] = round(codes[(byte & 15) as usize] * s);
+    match how.vector {
+        Some(round_bf16) => {
+            let dst = &mut out[i..i + 2 * pairs];
+            simd_quant::span_f32(how.simd, bytes, codes, (s, round_bf16), dst);
+        }
+        None => {
+            for (o, &byte) in out[i..i + 2 * pairs].chunks_exact_mut(2).zip(bytes) {
+                o[0] = round(codes[(byte >> 4) as usize] * s);
+                o[1] = round(codes[(byte & 15) as usize] * s);
+            }
         }
     }
     i += 2 * pairs;
@@ -138,6 +164,7 @@ pub(super) fn row_pairs(
             codes,
             blocksize,
             store: Store::F32 | Store::Bf16,
+            simd,
             ..
         } if k0 % 2 == 0 && inp % 2 == 0 && blocksize % 2 == 0 => {
             let base = r * inp;
@@ -154,7 +181,8 @@ pub(super) fn row_pairs(
                 let end = ((b + 1) * blocksize - base).min(k0 + whole);
                 let bytes = &packed[(base + k) / 2..(base + end) / 2];
                 let s = scratch[b - b0];
-                super::super::raw::quant::span_pairs(
+                simd_quant::span_pairs(
+                    simd,
                     bytes,
                     codes,
                     s,

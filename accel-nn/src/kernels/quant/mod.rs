@@ -14,18 +14,25 @@
 mod bf16_products;
 mod dequant;
 mod op;
+mod path;
 mod skinny;
 
 use half::{bf16, f16};
 
 pub(crate) use op::{quantized_linear, QuantTensors};
+pub use path::{quant_path, with_quant_path, QuantPath};
 
+use super::raw::quant::Simd;
 use super::raw::{gemm, par, MatRef};
 
 /// Rows of `W` a task dequantizes at a time.
 const TILE_ROWS: usize = 64;
 /// Columns of `W` per tile.
 const TILE_COLS: usize = 512;
+/// Columns of `W` per task of the input's gradient.
+const BACK_COLS: usize = 256;
+/// Rows of `W` per tile of the input's gradient (a tile is 256 KiB of f32).
+const BACK_ROWS: usize = 256;
 /// Up to this many rows of `x` the forward reads the codes directly.
 const SKINNY_ROWS: usize = 8;
 
@@ -105,6 +112,9 @@ pub(crate) enum QuantRef<'a> {
         blocksize: usize,
         store: Store,
         compute: Store,
+        /// The instructions the products take (the caller's
+        /// [`QuantPath`], read once on its thread).
+        simd: Simd,
         out: usize,
         inp: usize,
     },
@@ -214,13 +224,16 @@ pub(crate) fn forward(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
 /// `dx [n, inp] = dy [n, out] @ W`.
 pub(crate) fn backward_input(dy: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
     let (out, inp) = w.dims();
-    // dxT [inp, n]: a task owns TILE_COLS rows of it (columns of W).
-    let dxt = par::new_vec(inp * n, TILE_COLS * n, |t, dxt| {
-        let k0 = t * TILE_COLS;
+    // dxT [inp, n]: a task owns BACK_COLS rows of it (columns of W), and
+    // adds BACK_ROWS rows of W at a time into them: narrow enough that a
+    // hidden size of 1536 makes 6 tasks (3 would leave one of 2 cores idle
+    // half the time), deep enough that gemm's sums are not 64 terms long.
+    let dxt = par::new_vec(inp * n, BACK_COLS * n, |t, dxt| {
+        let k0 = t * BACK_COLS;
         let kc = dxt.len() / n;
-        let mut buf = vec![0f32; TILE_ROWS.min(out) * kc];
-        for o0 in (0..out).step_by(TILE_ROWS) {
-            let rows = TILE_ROWS.min(out - o0);
+        let mut buf = vec![0f32; BACK_ROWS.min(out) * kc];
+        for o0 in (0..out).step_by(BACK_ROWS) {
+            let rows = BACK_ROWS.min(out - o0);
             dequant::tile(w, (o0, rows), (k0, kc), &mut buf, kc);
             gemm(
                 (kc, n, rows),

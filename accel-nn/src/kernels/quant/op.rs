@@ -77,6 +77,7 @@ impl QuantTensors {
         compute: Store,
         f: impl FnOnce(&QuantRef) -> Result<R>,
     ) -> Result<R> {
+        let simd = super::quant_path().simd();
         let checked = |w: QuantRef| -> Result<R> {
             if let Err(e) = w.check() {
                 bail!("quantized weight [{}, {}]: {e}", w.dims().0, w.dims().1)
@@ -101,6 +102,7 @@ impl QuantTensors {
                     blocksize: *blocksize,
                     store: *store,
                     compute,
+                    simd,
                     out: *out,
                     inp: *inp,
                 })),
@@ -116,6 +118,7 @@ impl QuantTensors {
                         blocksize: *blocksize,
                         store: *store,
                         compute,
+                        simd,
                         out: *out,
                         inp: *inp,
                     }))
@@ -199,9 +202,12 @@ impl CustomOp1 for QuantLinearOp {
 
 /// Whether products over `n` rows of a `dtype` input take bf16 operands:
 /// bf16 inputs past the skinny form (decoding reads the codes directly), on
-/// a CPU with AVX-512 BF16.
+/// a CPU with AVX-512 BF16 where the AVX-512 path is taken.
 fn bf16_products(dtype: DType, n: usize) -> bool {
-    dtype == DType::BF16 && n > super::SKINNY_ROWS && super::bf16_products::available()
+    dtype == DType::BF16
+        && n > super::SKINNY_ROWS
+        && super::quant_path() == super::QuantPath::Avx512
+        && super::bf16_products::available()
 }
 
 impl Store {

@@ -1,10 +1,10 @@
 //! `x W^T` for a few rows of `x` (decoding). A 4-bit weight whose rows are
-//! whole blocks runs straight off its codes on AVX-512 (16 codes a
+//! whole blocks runs straight off its codes on AVX-512 or AVX2 (16 or 8 codes a
 //! permute, the products summed block by block, then scaled), reading each
 //! byte once; other weights are dequantized a slab of rows at a time into a
 //! buffer that stays in L2 and multiplied with the skinny dot-product kernel.
 
-use super::super::raw::{par, quant as simd};
+use super::super::raw::{par, quant as simd_quant};
 use super::super::skinny::x_wt_slabs;
 use super::{dequant, QuantRef, Store};
 
@@ -34,7 +34,7 @@ pub(super) fn slabs(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
 const FUSED_ROWS: usize = 32;
 
 /// `yT [out, n]` straight off a 4-bit weight's codes, where the fused form
-/// applies: AVX-512, rows of whole blocks of a multiple of 32, values that
+/// applies: AVX-512 or AVX2, rows of whole blocks of a multiple of 32, values that
 /// are `code * scale` exactly or rounded to bf16 once.
 fn fused(x: &[f32], n: usize, w: &QuantRef) -> Option<Vec<f32>> {
     let QuantRef::FourBit {
@@ -44,6 +44,7 @@ fn fused(x: &[f32], n: usize, w: &QuantRef) -> Option<Vec<f32>> {
         blocksize,
         store,
         compute,
+        simd,
         out,
         inp,
     } = *w
@@ -55,7 +56,7 @@ fn fused(x: &[f32], n: usize, w: &QuantRef) -> Option<Vec<f32>> {
         (Store::F32 | Store::Bf16, Store::F32 | Store::Bf16) => true,
         _ => return None,
     };
-    if !simd::dot_available() || blocksize % 32 != 0 || inp % blocksize != 0 || inp == 0 {
+    if !simd_quant::dot_available(simd) || blocksize % 32 != 0 || inp % blocksize != 0 || inp == 0 {
         return None;
     }
     let half = inp / 2;
@@ -71,7 +72,8 @@ fn fused(x: &[f32], n: usize, w: &QuantRef) -> Option<Vec<f32>> {
         let mut s = vec![0f32; rows * blocks];
         scales.fill(r0 * blocks, &mut s);
         let bytes = &packed[r0 * half..(r0 + rows) * half];
-        simd::dot_4bit(
+        simd_quant::dot_4bit(
+            simd,
             bytes,
             &s,
             codes,

@@ -8,6 +8,13 @@ use candle_core::DType;
 
 use super::*;
 
+/// Every instruction set of the 4-bit kernels this CPU has.
+fn each_simd() -> impl Iterator<Item = Simd> {
+    [Simd::Avx512, Simd::Avx2, Simd::Scalar]
+        .into_iter()
+        .filter(|s| s.available())
+}
+
 fn data(n: usize, seed: u32) -> Vec<f32> {
     (0..n)
         .map(|i| {
@@ -17,6 +24,7 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 }
 
 /// Owned parts of a quantized weight, and a view of them.
+#[derive(Clone)]
 enum Owned {
     Four(Packed4bit, Store),
     Eight(Vec<u8>, Vec<f32>),
@@ -37,6 +45,10 @@ impl Owned {
     }
 
     fn view(&self) -> QuantRef<'_> {
+        self.view_with(Simd::best())
+    }
+
+    fn view_with(&self, simd: Simd) -> QuantRef<'_> {
         match self {
             Self::Four(p, store) => QuantRef::FourBit {
                 packed: &p.packed,
@@ -56,6 +68,7 @@ impl Owned {
                 blocksize: p.state.blocksize,
                 store: *store,
                 compute: Store::F32,
+                simd,
                 out: p.state.shape[0],
                 inp: p.state.shape[1],
             },
@@ -107,8 +120,12 @@ fn weights() -> Vec<(String, Owned)> {
 
 #[test]
 fn tiles_dequantize_exactly_as_bitsandbytes() {
-    for (name, w) in weights() {
-        let v = w.view();
+    for ((name, w), simd) in weights()
+        .into_iter()
+        .flat_map(|w| each_simd().map(move |s| (w.clone(), s)))
+    {
+        let name = format!("{name} {simd:?}");
+        let v = w.view_with(simd);
         v.check().unwrap();
         let got = dequantize(&v);
         let want = w.reference();
@@ -154,8 +171,12 @@ fn nested_scales_are_the_maxima_bitsandbytes_dequantizes() {
 /// against f64 products on the dequantized weight.
 #[test]
 fn products_match_the_dequantized_weight() {
-    for (name, w) in weights() {
-        let v = w.view();
+    for ((name, w), simd) in weights()
+        .into_iter()
+        .flat_map(|w| each_simd().map(move |s| (w.clone(), s)))
+    {
+        let name = format!("{name} {simd:?}");
+        let v = w.view_with(simd);
         let (out, inp) = v.dims();
         let dense = w.reference();
         // Decoding straight off the codes, slabs for the skinny kernels, and
@@ -233,6 +254,7 @@ fn a_truncated_weight_is_refused_before_any_read() {
         blocksize: 64,
         store: Store::F32,
         compute: Store::F32,
+        simd: Simd::Scalar,
         out: 8,
         inp: 64,
     };
@@ -298,7 +320,10 @@ fn bf16_products_multiply_the_bf16_rounded_weight() {
 #[test]
 fn fused_decoding_rounds_the_weight_to_the_compute_dtype() {
     let round = |v: f32| half::bf16::from_f32(v).to_f32();
-    for store in [DType::F32, DType::BF16] {
+    for (store, simd) in [DType::F32, DType::BF16]
+        .into_iter()
+        .flat_map(|d| each_simd().map(move |s| (d, s)))
+    {
         let w = Owned::four(130, 256, QuantType::Nf4, true, store);
         let QuantRef::FourBit {
             packed,
@@ -320,10 +345,16 @@ fn fused_decoding_rounds_the_weight_to_the_compute_dtype() {
             blocksize,
             store,
             compute: Store::Bf16,
+            simd,
             out,
             inp,
         };
         let dense: Vec<f32> = w.reference().into_iter().map(round).collect();
+        // The tiles the larger products multiply: the same rounded values, bit for bit.
+        let tiles = dequantize(&v);
+        for (i, (a, b)) in tiles.iter().zip(&dense).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "{store:?} {simd:?} element {i}");
+        }
         for n in [1, 3] {
             let x = data(n * inp, 31);
             let y = forward(&x, n, &v);
@@ -333,7 +364,10 @@ fn fused_decoding_rounds_the_weight_to_the_compute_dtype() {
                         .map(|k| f64::from(x[i * inp + k]) * f64::from(dense[o * inp + k]))
                         .sum();
                     let got = f64::from(y[i * out + o]);
-                    assert!((got - want).abs() <= 1e-4, "{store:?} {n}: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 1e-4,
+                        "{store:?} {simd:?} {n}: {got} vs {want}"
+                    );
                 }
             }
         }
