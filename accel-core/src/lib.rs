@@ -73,6 +73,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod cuda_graphs;
 pub mod data;
+pub mod deepspeed;
 pub mod fsdp;
 mod init;
 mod logging;

@@ -34,6 +34,48 @@ pub enum Schedule {
         /// Total training steps.
         total: u64,
     },
+    /// DeepSpeed's `WarmupLR` (no `total`) and `WarmupDecayLR`: from
+    /// `min_ratio` (`warmup_min_lr / warmup_max_lr`, the base rate being
+    /// `warmup_max_lr`) up to 1 over `warmup` steps (at least 2), along a
+    /// logarithm or a line, then 1, or a linear decay to 0 at `total`.
+    /// DeepSpeed steps its schedule after each optimizer step, so step `s`
+    /// takes the rate of iteration `s - 1` (the first two the minimum).
+    DeepSpeedWarmup {
+        /// `warmup_min_lr / warmup_max_lr`.
+        min_ratio: f64,
+        /// `warmup_num_steps`.
+        warmup: u64,
+        /// `warmup_type: log` (DeepSpeed's default) rather than `linear`.
+        log: bool,
+        /// `total_num_steps` of `WarmupDecayLR`.
+        total: Option<u64>,
+    },
+    /// DeepSpeed's `WarmupCosineLR`: from `warmup_min_ratio` up to 1 over
+    /// `warmup` steps (log or linear), then a cosine down to `cos_min_ratio`
+    /// at `total`; stepped as [`Schedule::DeepSpeedWarmup`] (the first step
+    /// at rate 0).
+    DeepSpeedWarmupCosine {
+        /// `warmup_min_ratio`.
+        warmup_min_ratio: f64,
+        /// `warmup_num_steps`.
+        warmup: u64,
+        /// `warmup_type: log` rather than `linear`.
+        log: bool,
+        /// `total_num_steps`.
+        total: u64,
+        /// `cos_min_ratio`.
+        cos_min_ratio: f64,
+    },
+}
+
+/// DeepSpeed's warm-up fraction at `iteration` of `warmup` (already at
+/// least 2) steps.
+fn deepspeed_gamma(iteration: u64, warmup: u64, log: bool) -> f64 {
+    if log {
+        ((iteration + 1) as f64).ln() / (warmup as f64).ln()
+    } else {
+        iteration as f64 / warmup as f64
+    }
 }
 
 impl Schedule {
@@ -65,6 +107,45 @@ impl Schedule {
                         (step - warmup) as f64 / total.saturating_sub(warmup).max(1) as f64;
                     (0.5 * (1.0 + (std::f64::consts::PI * progress).cos())).max(0.0)
                 }
+            }
+            Schedule::DeepSpeedWarmup {
+                min_ratio,
+                warmup,
+                log,
+                total,
+            } => {
+                let Some(it) = step.checked_sub(1) else {
+                    return min_ratio;
+                };
+                let warmup = warmup.max(2);
+                let gamma = if it < warmup {
+                    deepspeed_gamma(it, warmup, log)
+                } else if let Some(total) = total {
+                    ((total as f64 - it as f64) / (total as f64 - warmup as f64).max(1.0)).max(0.0)
+                } else {
+                    1.0
+                };
+                min_ratio + (1.0 - min_ratio) * gamma
+            }
+            Schedule::DeepSpeedWarmupCosine {
+                warmup_min_ratio,
+                warmup,
+                log,
+                total,
+                cos_min_ratio,
+            } => {
+                let Some(it) = step.checked_sub(1) else {
+                    return 0.0;
+                };
+                let warmup = warmup.max(2);
+                if it < warmup {
+                    let r = deepspeed_gamma(it, warmup, log);
+                    return warmup_min_ratio + r * (1.0 - warmup_min_ratio);
+                }
+                let real_last = (it - warmup + 1) as f64;
+                let real_total = (total as f64 - warmup as f64).max(1.0);
+                let r = (1.0 + (std::f64::consts::PI * real_last / real_total).cos()) / 2.0;
+                (cos_min_ratio + (1.0 - cos_min_ratio) * r).max(0.0)
             }
         }
     }

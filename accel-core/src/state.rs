@@ -115,7 +115,7 @@ impl ProcessState {
     }
 }
 
-fn env_usize(var: &str) -> Result<Option<usize>> {
+pub(crate) fn env_usize(var: &str) -> Result<Option<usize>> {
     match std::env::var(var) {
         Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Config {
             key: var.into(),

@@ -119,6 +119,22 @@ impl PreparedModel {
         dir: impl AsRef<Path>,
         max_shard_size: &str,
     ) -> Result<Vec<PathBuf>> {
+        self.save_pretrained_as(acc, dir, max_shard_size, None)
+    }
+
+    /// As [`PreparedModel::save_pretrained`], every weight in `dtype` when
+    /// given (DeepSpeed's `stage3_gather_16bit_weights_on_model_save`: the
+    /// compute dtype of the run).
+    ///
+    /// # Errors
+    /// As [`PreparedModel::save_pretrained`].
+    pub fn save_pretrained_as(
+        &self,
+        acc: &Accelerator,
+        dir: impl AsRef<Path>,
+        max_shard_size: &str,
+        dtype: Option<DType>,
+    ) -> Result<Vec<PathBuf>> {
         let limit = crate::checkpoint::parse_size(max_shard_size)?;
         if let Some(config) = self.adapter_config() {
             return self.save_adapter(acc, dir.as_ref(), &config);
@@ -126,10 +142,12 @@ impl PreparedModel {
         let source = self.lock().source.clone();
         let mut tensors = BTreeMap::new();
         for (name, t) in self.full_weights()? {
-            let dtype = source
-                .as_ref()
-                .and_then(|s| s.dtypes.get(&name).copied())
-                .unwrap_or(DType::F32);
+            let dtype = dtype.unwrap_or_else(|| {
+                source
+                    .as_ref()
+                    .and_then(|s| s.dtypes.get(&name).copied())
+                    .unwrap_or(DType::F32)
+            });
             tensors.insert(name, t.to_dtype(dtype)?);
         }
         let written = if acc.is_main_process() {

@@ -38,6 +38,29 @@ pub trait Optimizer: Send {
     fn load_state_dict(&mut self, state: StateDict, params: &[Tensor]) -> Result<()>;
 }
 
+/// An optimizer chosen at run time (the Trainer's AdamW, or a DeepSpeed
+/// configuration's AdamW or SGD) is still one.
+impl Optimizer for Box<dyn Optimizer> {
+    fn step(&mut self, params: &[Tensor], grads: &[Tensor], ids: &[usize]) -> Result<()> {
+        (**self).step(params, grads, ids)
+    }
+    fn set_param_names(&mut self, names: &[String]) {
+        (**self).set_param_names(names)
+    }
+    fn learning_rate(&self) -> f64 {
+        (**self).learning_rate()
+    }
+    fn set_learning_rate(&mut self, lr: f64) {
+        (**self).set_learning_rate(lr)
+    }
+    fn state_dict(&self) -> Result<StateDict> {
+        (**self).state_dict()
+    }
+    fn load_state_dict(&mut self, state: StateDict, params: &[Tensor]) -> Result<()> {
+        (**self).load_state_dict(state, params)
+    }
+}
+
 /// Splits `state.{id}.{field}` tensor names; other names are rejected by the caller.
 pub(crate) fn parse_state_key(key: &str) -> Option<(usize, &str)> {
     let rest = key.strip_prefix("state.")?;

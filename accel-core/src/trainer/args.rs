@@ -178,6 +178,15 @@ pub struct TrainingArguments {
     /// the Trainer says so when it starts and trains eagerly.
     #[serde(default)]
     pub cuda_graphs: bool,
+    /// A DeepSpeed configuration, as transformers' `deepspeed`: a JSON
+    /// string is the path of a `ds_config.json`, an object the
+    /// configuration itself. Its ZeRO stage, offload, precision, batch
+    /// sizes, clipping, optimizer and schedule are run as the equivalent
+    /// accel-rs settings ([`crate::deepspeed`]); `"auto"` values come from
+    /// these arguments; a contradicting value is an error listing every
+    /// mismatch. Not with `fsdp`.
+    #[serde(default)]
+    pub deepspeed: Option<serde_json::Value>,
 }
 
 impl Default for TrainingArguments {
@@ -221,6 +230,7 @@ impl Default for TrainingArguments {
             fsdp_config: FsdpConfig::default(),
             accelerator_config: TrainerAcceleratorConfig::default(),
             cuda_graphs: false,
+            deepspeed: None,
         }
     }
 }
@@ -370,6 +380,32 @@ impl TrainingArguments {
         Ok(())
     }
 
+    /// `deepspeed` read and filled from these arguments for `world`
+    /// processes (transformers' `trainer_config_process`), its mismatches
+    /// so far an error; `None` without one.
+    ///
+    /// # Errors
+    /// An unreadable file, `fsdp` set too, or values that contradict these
+    /// arguments (every one listed, as transformers does).
+    pub fn deepspeed_config(
+        &self,
+        world: usize,
+    ) -> Result<Option<crate::deepspeed::DeepSpeedConfig>> {
+        let Some(v) = &self.deepspeed else {
+            return Ok(None);
+        };
+        if !self.fsdp.trim().is_empty() {
+            return Err(config(
+                "deepspeed",
+                "cannot be combined with fsdp; choose one",
+            ));
+        }
+        let mut ds = crate::deepspeed::DeepSpeedConfig::from_argument(v)?;
+        ds.fill_from_args(self, world);
+        ds.check_mismatches()?;
+        Ok(Some(ds))
+    }
+
     /// The trackers to start: `report_to` without `none`.
     pub fn trackers(&self) -> Vec<String> {
         self.report_to
@@ -418,6 +454,11 @@ impl TrainingArguments {
         config.step_scheduler_with_optimizer = false;
         config = self.accelerator_config.apply(config)?;
         config.fsdp = super::options::fsdp_plugin(&self.fsdp, &self.fsdp_config)?;
+        if let Some(ds) =
+            self.deepspeed_config(crate::state::env_usize("WORLD_SIZE")?.unwrap_or(1))?
+        {
+            config = super::deepspeed::apply(&ds.plan()?, config)?;
+        }
         if self.use_cpu {
             config = config.with_device(candle_core::Device::Cpu);
         }

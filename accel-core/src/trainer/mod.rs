@@ -30,6 +30,7 @@
 
 mod args;
 mod batch_size;
+mod deepspeed;
 mod options;
 mod state;
 mod train_loop;
@@ -47,7 +48,7 @@ use candle_core::{DType, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::data::{DataLoader, DataLoaderConfig, Dataset};
-use crate::optim::{transformers_no_decay, AdamW, AdamWConfig, PreparedOptimizer};
+use crate::optim::PreparedOptimizer;
 use crate::scheduler::{LrScheduler, PreparedScheduler};
 use crate::{Accelerator, PreparedModel, Result};
 use state::Counted;
@@ -121,6 +122,9 @@ pub struct Trainer<M: TrainModel, D: Dataset<Batch = M::Batch>> {
     total_steps: u64,
     steps_per_epoch: u64,
     trackers_started: bool,
+    /// DeepSpeed's `stage3_gather_16bit_weights_on_model_save`: the dtype
+    /// `save_model` writes every weight in.
+    save_dtype: Option<DType>,
 }
 
 impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
@@ -195,17 +199,16 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
             Some(checkpoint) => acc.prepare_pretrained(checkpoint, build)?,
             None => acc.prepare(build)?,
         };
-        let opt = acc.prepare_optimizer(
-            &params,
-            AdamW::new(AdamWConfig {
-                lr: args.learning_rate,
-                beta1: args.adam_beta1,
-                beta2: args.adam_beta2,
-                eps: args.adam_epsilon,
-                weight_decay: args.weight_decay,
-            })
-            .with_no_decay(transformers_no_decay),
-        );
+        let mut args = args;
+        let mut ds = deepspeed::DeepSpeedRun::new(&args, acc.num_processes())?;
+        let (optimizer, optimizer_lr) = match &ds {
+            Some(ds) => ds.optimizer(&args),
+            None => (
+                Box::new(deepspeed::trainer_adamw(&args)) as Box<dyn crate::optim::Optimizer>,
+                args.learning_rate,
+            ),
+        };
+        let opt = acc.prepare_optimizer(&params, optimizer);
         let train_loader = acc.prepare_data_loader(DataLoader::new(
             Counted(train_dataset),
             DataLoaderConfig::new(args.per_device_train_batch_size)
@@ -225,10 +228,19 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
             .div_ceil(acc.gradient_accumulation_steps() as u64)
             .max(1);
         let total_steps = args.num_training_steps(steps_per_epoch);
-        let sched = acc.prepare_scheduler(
-            LrScheduler::new(args.schedule(total_steps), args.learning_rate),
-            &opt,
-        );
+        let schedule = match &mut ds {
+            Some(ds) => ds.scheduler(&args, total_steps, optimizer_lr)?,
+            None => LrScheduler::new(args.schedule(total_steps), args.learning_rate),
+        };
+        let sched = acc.prepare_scheduler(schedule, &opt);
+        let save_dtype = ds.as_ref().and_then(|ds| {
+            ds.plan
+                .save_16bit_model
+                .then(|| acc.mixed_precision().compute_dtype())
+        });
+        if let Some(ds) = &ds {
+            args.max_grad_norm = ds.max_grad_norm();
+        }
         let state = Arc::new(Mutex::new(TrainerState::default()));
         acc.register_for_checkpointing(state.clone());
         Ok(Self {
@@ -245,6 +257,7 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
             total_steps,
             steps_per_epoch,
             trackers_started: false,
+            save_dtype,
         })
     }
 
@@ -343,7 +356,8 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
     /// # Errors
     /// When the folder cannot be written.
     pub fn save_model(&self, dir: impl AsRef<Path>) -> Result<Vec<PathBuf>> {
-        self.params.save_pretrained(&self.acc, dir, "5GB")
+        self.params
+            .save_pretrained_as(&self.acc, dir, "5GB", self.save_dtype)
     }
 }
 

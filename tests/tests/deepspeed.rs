@@ -1,0 +1,176 @@
+//! `TrainingArguments::deepspeed` at 2 CPU ranks: the Trainer guide's
+//! ZeRO-2 and ZeRO-3-with-offload files (with `"auto"` values) train with
+//! the losses of the native FSDP settings they map onto, and the file's own
+//! optimizer and DeepSpeed schedule give DeepSpeed's learning rates.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+const WORKER: &str = env!("CARGO_BIN_EXE_trainer_worker");
+const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/deepspeed")
+}
+
+/// Eight sequences of the test Llama's vocabulary.
+fn ids(dir: &Path) -> PathBuf {
+    let rows: Vec<Vec<u32>> = (0..8u32)
+        .map(|r| (0..7).map(|k| (r * 37 + k * 11 + 1) % 128).collect())
+        .collect();
+    let path = dir.join("ids.json");
+    std::fs::write(&path, serde_json::to_string(&rows).unwrap()).unwrap();
+    path
+}
+
+/// The worker at 2 ranks under `accel launch`; its JSON line.
+fn two_ranks(dir: &Path, name: &str, extra: &[&str]) -> Value {
+    let out = dir.join(name);
+    let mut cmd = Command::new(LAUNCH);
+    cmd.args(["launch", "--num_processes", "2", "--cpu", WORKER])
+        .arg(accel_tests::hf_fixture("llama"))
+        .arg(ids(dir))
+        .arg(&out)
+        .arg("6")
+        .args(extra);
+    let (ok, stdout, stderr) = accel_tests::run_program(cmd, None);
+    assert!(ok, "{name}: {stderr}\n{stdout}");
+    // The launcher prefixes each line with its rank.
+    let line = stdout
+        .lines()
+        .rev()
+        .find_map(|l| l.find('{').map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    let mut v: Value = serde_json::from_str(line).unwrap();
+    v["stderr"] = stderr.into();
+    v
+}
+
+fn losses(v: &Value) -> Vec<f64> {
+    v["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+fn assert_close(a: &[f64], b: &[f64], tol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
+    for (k, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol, "{what}: step {}: {x} vs {y}", k + 1);
+    }
+}
+
+/// A guide file without its `optimizer` and `scheduler` sections (the
+/// Trainer's AdamW and schedule then run, as in transformers).
+fn without_optimizer(dir: &Path, file: &str) -> String {
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join(file)).unwrap()).unwrap();
+    let m = c.as_object_mut().unwrap();
+    m.remove("optimizer");
+    m.remove("scheduler");
+    let path = dir.join(file);
+    std::fs::write(&path, c.to_string()).unwrap();
+    path.display().to_string()
+}
+
+#[test]
+fn zero_2_and_zero_3_offload_files_train_as_the_native_strategies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = [
+        ("ds_zero2.json", "shard_grad_op offload", "SHARD_GRAD_OP"),
+        ("ds_zero3_offload.json", "full_shard offload", "FULL_SHARD"),
+    ];
+    for (file, words, strategy) in cases {
+        let ds = without_optimizer(tmp.path(), file);
+        let native = two_ranks(
+            tmp.path(),
+            &format!("native-{strategy}"),
+            &["--fsdp", words],
+        );
+        let mapped = two_ranks(tmp.path(), &format!("ds-{strategy}"), &["--deepspeed", &ds]);
+        assert_eq!(mapped["sharding"], strategy, "{file}: {mapped}");
+        assert_eq!(mapped["offload"], true, "{file}");
+        assert_eq!(native["sharding"], strategy);
+        assert_close(&losses(&mapped), &losses(&native), 1e-6, file);
+        assert!(
+            losses(&mapped)[5] < losses(&mapped)[0],
+            "{file}: {:?}",
+            losses(&mapped)
+        );
+        // What has no effect here is said, key by key.
+        let err = mapped["stderr"].as_str().unwrap();
+        assert!(
+            err.contains("`zero_optimization.overlap_comm` has no effect"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn the_files_optimizer_and_schedule_are_deepspeeds() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = fixtures()
+        .join("ds_zero3_offload.json")
+        .display()
+        .to_string();
+    let v = two_ranks(tmp.path(), "guide", &["--deepspeed", &file, "--save"]);
+    let (l, lrs) = (losses(&v), v["lrs"].as_array().unwrap());
+    assert!(l[5] < l[0], "{l:?}");
+    // WarmupLR from 0 to the learning rate over max(1, warmup_steps = 2)
+    // steps, log-shaped, DeepSpeed stepping after each optimizer step: the
+    // first two steps at the minimum, then the maximum.
+    // Logged after each step: the rate the next step takes.
+    let got: Vec<f64> = lrs.iter().map(|x| x.as_f64().unwrap()).collect();
+    assert_close(
+        &got,
+        &[0.0, 1e-2, 1e-2, 1e-2, 1e-2, 1e-2],
+        1e-12,
+        "learning rates",
+    );
+    // stage3_gather_16bit_weights_on_model_save: fp32 run, fp32 weights
+    // (the run's compute dtype), as DeepSpeed writes them.
+    assert!(tmp.path().join("guide/model/model.safetensors").is_file());
+}
+
+#[test]
+fn a_contradicting_value_names_every_mismatch_and_fsdp_with_deepspeed_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("ds_zero2.json")).unwrap())
+            .unwrap();
+    c["optimizer"]["params"]["lr"] = json!(1e-4);
+    c["gradient_accumulation_steps"] = json!(4);
+    let path = tmp.path().join("bad.json");
+    std::fs::write(&path, c.to_string()).unwrap();
+    let mut cmd = Command::new(WORKER);
+    cmd.arg(accel_tests::hf_fixture("llama"))
+        .arg(ids(tmp.path()))
+        .arg(tmp.path().join("bad"))
+        .arg("2")
+        .args(["--deepspeed", path.to_str().unwrap()]);
+    let (ok, _, err) = accel_tests::run_program(cmd, None);
+    assert!(!ok);
+    assert!(
+        err.contains("- ds gradient_accumulation_steps=4 vs hf gradient_accumulation_steps=2")
+            && err.contains("- ds optimizer.params.lr=0.0001 vs hf learning_rate=0.01")
+            && err.contains("bad.json"),
+        "{err}"
+    );
+    let mut cmd = Command::new(WORKER);
+    cmd.arg(accel_tests::hf_fixture("llama"))
+        .arg(ids(tmp.path()))
+        .arg(tmp.path().join("both"))
+        .arg("2")
+        .args([
+            "--deepspeed",
+            fixtures().join("ds_zero2.json").to_str().unwrap(),
+            "--fsdp",
+            "full_shard",
+        ]);
+    let (ok, _, err) = accel_tests::run_program(cmd, None);
+    assert!(!ok && err.contains("fsdp"), "{err}");
+}
