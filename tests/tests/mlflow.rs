@@ -487,6 +487,15 @@ fn a_server_killed_mid_run_never_fails_training() -> Result<()> {
     );
     assert!(server.history(tracker.run_id(), "sample").is_empty());
 
+    // Dropped without finish and without a panic: the run ends FINISHED,
+    // with what was logged.
+    let mut dropped = MlflowTracker::new(MlflowConfig::new(&server.uri(), "outage 3")?)?;
+    log(&mut dropped, 7)?;
+    let dropped_id = dropped.run_id().to_owned();
+    drop(dropped);
+    assert_eq!(server.only_run("outage 3")["info"]["status"], "FINISHED");
+    assert_eq!(server.history(&dropped_id, "loss")[&7], 1.0 / 8.0);
+
     // Gone for good: finish warns and succeeds, the run stays RUNNING.
     let mut second = MlflowTracker::new(MlflowConfig::new(&server.uri(), "outage 2")?)?;
     log(&mut second, 0)?;
