@@ -149,6 +149,22 @@ pub enum Error {
         report: String,
     },
 
+    // === tracking servers ===
+    /// An experiment-tracking server (MLflow) could not be reached at
+    /// start-up, or refused a request: the message names the server, the run
+    /// when there is one, and what was sent (the metric, the param).
+    #[error("{tracker} server {uri}{}: {reason}", run.as_ref().map(|r| format!(", run {r}")).unwrap_or_default())]
+    TrackerServer {
+        /// The tracker (`"mlflow"`).
+        tracker: &'static str,
+        /// The tracking URI, without credentials.
+        uri: String,
+        /// The run id, once the run exists.
+        run: Option<String>,
+        /// What failed: the request, the key, the server's own message.
+        reason: String,
+    },
+
     // === other ranks ===
     /// Another rank failed a step every rank takes together (a save, a load);
     /// this rank stops too instead of waiting for it at the next collective.

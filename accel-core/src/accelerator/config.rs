@@ -90,7 +90,7 @@ pub struct AcceleratorConfig {
     pub project: ProjectConfiguration,
     /// The device; `None` picks the CPU (or CUDA device `LOCAL_RANK` when built with `cuda`).
     pub device: Option<Device>,
-    /// Trackers by name (`"jsonl"`, `"tensorboard"`, `"all"`).
+    /// Trackers by name (`"jsonl"`, `"tensorboard"`, `"mlflow"`, `"all"`).
     pub log_with: Vec<String>,
     /// Batches are split across processes rather than drawn per process.
     pub split_batches: bool,

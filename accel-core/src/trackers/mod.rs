@@ -1,4 +1,4 @@
-//! Experiment trackers: JSONL and TensorBoard event files.
+//! Experiment trackers: JSONL and TensorBoard event files, and MLflow runs.
 //!
 //! The counterpart of Accelerate's `Accelerator(log_with=...)`,
 //! `init_trackers`, `log` and `end_training`:
@@ -17,15 +17,21 @@
 //! # }
 //! ```
 //!
-//! Every tracker writes under `{logging_dir}/{project_name}/` and flushes after
-//! each call, so a crash loses nothing already logged.
+//! The file trackers write under `{logging_dir}/{project_name}/` and flush
+//! after each call, so a crash loses nothing already logged. The MLflow
+//! tracker sends each call to a tracking server and keeps what it could not
+//! send for the next call (`mlflow/mod.rs`).
 
 mod event;
 mod jsonl;
+mod kind;
+mod mlflow;
 mod tensorboard;
 mod tfrecord;
 
 pub use jsonl::JsonlTracker;
+pub use kind::TrackerKind;
+pub use mlflow::{MlflowAuth, MlflowConfig, MlflowTracker, Unsent};
 pub use tensorboard::TensorBoardTracker;
 
 use std::collections::BTreeMap;
@@ -155,72 +161,6 @@ pub trait Tracker: Send {
     fn finish(&mut self) -> Result<()>;
 }
 
-/// The trackers this crate provides.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum TrackerKind {
-    /// [`JsonlTracker`]: `metrics.jsonl`, one JSON object per `log` call.
-    Jsonl,
-    /// [`TensorBoardTracker`]: a TensorBoard event file.
-    TensorBoard,
-}
-
-impl TrackerKind {
-    /// Every kind, in the order `"all"` creates them.
-    pub const ALL: [TrackerKind; 2] = [TrackerKind::Jsonl, TrackerKind::TensorBoard];
-
-    /// The name used in `log_with` lists: `"jsonl"` or `"tensorboard"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            TrackerKind::Jsonl => "jsonl",
-            TrackerKind::TensorBoard => "tensorboard",
-        }
-    }
-
-    /// Parses a name, ignoring ASCII case (Accelerate lower-cases them too).
-    /// An unknown name is an [`Error::Config`] naming it and the known ones.
-    pub fn from_name(name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|kind| kind.name().eq_ignore_ascii_case(name.trim()))
-            .ok_or_else(|| unknown_tracker(name))
-    }
-
-    /// Creates the tracker writing under `{logging_dir}/{project_name}/`.
-    pub fn create(self, project_name: &str, logging_dir: &Path) -> Result<Box<dyn Tracker>> {
-        Ok(match self {
-            TrackerKind::Jsonl => Box::new(JsonlTracker::new(project_name, logging_dir)?),
-            TrackerKind::TensorBoard => {
-                Box::new(TensorBoardTracker::new(project_name, logging_dir)?)
-            }
-        })
-    }
-}
-
-fn unknown_tracker(name: &str) -> Error {
-    let known: Vec<&str> = TrackerKind::ALL.iter().map(|k| k.name()).collect();
-    Error::Config {
-        key: "log_with".into(),
-        reason: format!(
-            "unknown tracker `{name}`; known trackers are {} or `all`",
-            known.join(", ")
-        ),
-    }
-}
-
-impl std::fmt::Display for TrackerKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for TrackerKind {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        Self::from_name(s)
-    }
-}
-
 /// Several trackers driven as one, like the `Accelerator`'s tracker list.
 ///
 /// Every call reaches every tracker even if an earlier one fails (a full disk
@@ -244,30 +184,20 @@ impl Trackers {
         Self { trackers }
     }
 
-    /// Creates trackers by name (`"jsonl"`, `"tensorboard"`, or `"all"` for
-    /// every kind), each writing under `{logging_dir}/{project_name}/`.
-    /// Repeated names create one tracker. An unknown name is an [`Error::Config`].
+    /// Creates trackers by name (`"jsonl"`, `"tensorboard"`, `"mlflow"`, or
+    /// `"all"` for every available kind, see [`TrackerKind::resolve`]); the
+    /// file trackers write under `{logging_dir}/{project_name}/`, MLflow uses
+    /// `project_name` as the default experiment. Repeated names create one
+    /// tracker. An unknown name is an [`Error::Config`]; an unreachable
+    /// MLflow server an [`Error::TrackerServer`] naming its URI.
     pub fn from_names(
         names: &[&str],
         project_name: &str,
         logging_dir: impl AsRef<Path>,
     ) -> Result<Self> {
         // Resolve every name before creating any file, so a typo leaves no
-        // half-made run folder behind.
-        let mut kinds: Vec<TrackerKind> = Vec::new();
-        for name in names {
-            if name.trim().eq_ignore_ascii_case("all") {
-                kinds.extend(TrackerKind::ALL);
-            } else {
-                kinds.push(TrackerKind::from_name(name)?);
-            }
-        }
-        let mut seen = Vec::new();
-        kinds.retain(|k| {
-            let first = !seen.contains(k);
-            seen.push(*k);
-            first
-        });
+        // half-made run folder behind (and servers are tried first).
+        let kinds = TrackerKind::resolve(names, |k| std::env::var(k).ok())?;
         validate_project_name(project_name)?;
         let trackers = kinds
             .into_iter()
@@ -433,15 +363,6 @@ mod tests {
         assert_eq!(LogValue::Float(f64::INFINITY).to_json(), "Infinity");
         assert_eq!(LogValue::Float(f64::NEG_INFINITY).to_json(), "-Infinity");
         assert_eq!(LogValue::Float(0.1).to_json(), serde_json::json!(0.1));
-    }
-
-    #[test]
-    fn tracker_names_parse_ignoring_case() {
-        assert_eq!(TrackerKind::from_name("JSONL").unwrap(), TrackerKind::Jsonl);
-        assert_eq!(
-            "tensorboard".parse::<TrackerKind>().unwrap(),
-            TrackerKind::TensorBoard
-        );
     }
 
     #[test]

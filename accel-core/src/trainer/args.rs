@@ -142,7 +142,7 @@ pub struct TrainingArguments {
     pub bf16: bool,
     /// Compute in fp16 with a loss scale (transformers' flag).
     pub fp16: bool,
-    /// Trackers: `jsonl`, `tensorboard`, `all` or `none`.
+    /// Trackers: `jsonl`, `tensorboard`, `mlflow`, `all` or `none`.
     pub report_to: Vec<String>,
     /// A checkpoint folder to resume from, or `"latest"` for the newest in `output_dir`.
     pub resume_from_checkpoint: Option<String>,
