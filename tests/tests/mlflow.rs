@@ -183,19 +183,53 @@ impl Drop for MlflowServer {
     }
 }
 
-/// `mlflow` on PATH, else `python3 -m mlflow`.
+/// `mlflow` on PATH, else `python3 -m mlflow`; when neither runs, the
+/// PyPI package is installed once (as the project's rule for real
+/// components says: the tests start them, and skip only where they cannot).
 fn mlflow_launcher() -> std::result::Result<Vec<String>, String> {
-    for launcher in [vec!["mlflow"], vec!["python3", "-m", "mlflow"]] {
-        let ok = Command::new(launcher[0])
-            .args(&launcher[1..])
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if ok {
-            return Ok(launcher.into_iter().map(String::from).collect());
+    static INSTALL: std::sync::OnceLock<std::result::Result<(), String>> =
+        std::sync::OnceLock::new();
+    let find = || {
+        for launcher in [vec!["mlflow"], vec!["python3", "-m", "mlflow"]] {
+            let ok = Command::new(launcher[0])
+                .args(&launcher[1..])
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success());
+            if ok {
+                return Some(launcher.into_iter().map(String::from).collect());
+            }
         }
+        None
+    };
+    if let Some(l) = find() {
+        return Ok(l);
     }
-    Err("neither `mlflow` nor `python3 -m mlflow` runs (pip install mlflow)".into())
+    INSTALL
+        .get_or_init(|| {
+            eprintln!("mlflow is not installed: pip install mlflow (once, up to 10 minutes)");
+            let out = Command::new("timeout")
+                .args([
+                    "600", "python3", "-m", "pip", "install", "--quiet", "mlflow",
+                ])
+                .output()
+                .map_err(|e| format!("cannot run pip: {e}"))?;
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "pip install mlflow failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                ))
+            }
+        })
+        .clone()?;
+    find().ok_or_else(|| {
+        "mlflow was installed but neither `mlflow` nor `python3 -m mlflow` runs".into()
+    })
 }
 
 macro_rules! server_or_skip {
