@@ -153,7 +153,14 @@ impl LaunchArgs {
                 c.extra_env
                     .push(("ACCELERATE_DEBUG_MODE".to_string(), "true".to_string()));
             }
-            if f.distributed()? == DistributedType::Fsdp {
+            if f.distributed_type.eq_ignore_ascii_case("DEEPSPEED") {
+                let (env, notes) =
+                    crate::config_file::deepspeed_launch_env(f.unused.get("deepspeed_config"))?;
+                for n in notes {
+                    eprintln!("accel launch: {n}");
+                }
+                c.extra_env.extend(env);
+            } else if f.distributed()? == DistributedType::Fsdp {
                 let fsdp = f.fsdp_config.clone().unwrap_or_default();
                 c.extra_env.extend(fsdp.launch_env());
             }
@@ -385,9 +392,9 @@ mod tests {
         assert!(e.contains("num_processes"), "{e}");
         assert!(args(&["--num_processes", "2"]).to_config(Some(&f)).is_ok());
         let mut f = file();
-        f.distributed_type = "DEEPSPEED".into();
+        f.distributed_type = "XLA".into();
         let e = args(&[]).to_config(Some(&f)).unwrap_err().to_string();
-        assert!(e.contains("DEEPSPEED"), "{e}");
+        assert!(e.contains("XLA"), "{e}");
         let e = args(&["--mixed_precision", "fp8"])
             .to_config(None)
             .unwrap_err();

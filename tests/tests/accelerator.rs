@@ -500,3 +500,34 @@ fn preparing_an_empty_varmap_is_an_error_naming_the_fix() {
         "{err}"
     );
 }
+
+/// `gradient_clipping` (DeepSpeed's, which its engine applies at the step
+/// without a call): the step clips the global norm first, exactly as a loop
+/// that calls `clip_grad_norm` itself.
+#[test]
+fn gradient_clipping_clips_at_every_step_as_an_explicit_call_does() {
+    // 0: no clipping, 1: the config's, 2: an explicit call.
+    let run = |how: u8| {
+        let mut config = AcceleratorConfig::default().with_seed(0);
+        if how == 1 {
+            config.gradient_clipping = Some(1.0);
+        }
+        let mut a = acc(config);
+        let vm = VarMap::new();
+        let lin = candle_nn::linear_no_bias(2, 1, a.var_builder(&vm)).unwrap();
+        let model = a.prepare_model(&vm).unwrap();
+        let mut opt = a.prepare_optimizer(&model, sgd(0.1));
+        // d(sum(w.x))/dw = x = [3, 4]: norm 5.
+        let x = Tensor::new(&[[3f32, 4.0]], &Device::Cpu).unwrap();
+        a.backward(&lin.forward(&x).unwrap().sum_all().unwrap())
+            .unwrap();
+        if how == 2 {
+            a.clip_grad_norm(&model, 1.0).unwrap();
+        }
+        opt.step().unwrap();
+        weights(&model)
+    };
+    let (none, auto, explicit) = (run(0), run(1), run(2));
+    assert_eq!(auto, explicit);
+    assert_ne!(auto, none, "the clip did not act");
+}

@@ -174,3 +174,54 @@ fn a_contradicting_value_names_every_mismatch_and_fsdp_with_deepspeed_is_refused
     let (ok, _, err) = accel_tests::run_program(cmd, None);
     assert!(!ok && err.contains("fsdp"), "{err}");
 }
+
+/// `accel launch` with the file `accelerate config` writes for DeepSpeed
+/// (ZeRO `stage`, no offload) runs `finetune_hf` (the Accelerator, not the
+/// Trainer) with the losses of the FSDP file of the same strategy.
+#[test]
+fn an_accelerate_deepspeed_file_launches_as_the_fsdp_strategy_of_its_stage() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = ids(tmp.path());
+    let model = accel_tests::hf_fixture("llama");
+    for (stage, strategy) in [(2, "SHARD_GRAD_OP"), (3, "FULL_SHARD")] {
+        let ds = tmp.path().join(format!("ds{stage}.yaml"));
+        std::fs::write(
+            &ds,
+            format!(
+                "compute_environment: LOCAL_MACHINE\ndebug: false\ndeepspeed_config:\n  gradient_accumulation_steps: 1\n  offload_optimizer_device: none\n  offload_param_device: none\n  zero3_init_flag: false\n  zero_stage: {stage}\ndistributed_type: DEEPSPEED\ndowncast_bf16: 'no'\nmachine_rank: 0\nmain_training_function: main\nmixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nrdzv_backend: static\nsame_network: true\ntpu_env: []\ntpu_use_cluster: false\ntpu_use_sudo: false\nuse_cpu: true\n"
+            ),
+        )
+        .unwrap();
+        let fsdp = tmp.path().join(format!("fsdp{stage}.yaml"));
+        std::fs::write(
+            &fsdp,
+            format!(
+                "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\nfsdp_config:\n  fsdp_auto_wrap_policy: NO_WRAP\n  fsdp_sharding_strategy: {strategy}\n"
+            ),
+        )
+        .unwrap();
+        let run = |config: &Path| {
+            let mut cmd = Command::new(LAUNCH);
+            cmd.args(["launch", "--config_file"])
+                .arg(config)
+                .arg(env!("CARGO_BIN_EXE_finetune_hf_worker"))
+                .arg("--model")
+                .arg(&model)
+                .arg("--data-ids")
+                .arg(&ids)
+                .args(["--steps", "4", "--lr", "1e-2", "--json"]);
+            let (ok, out, err) = accel_tests::run_program(cmd, None);
+            assert!(ok, "{}: {err}\n{out}", config.display());
+            accel_tests::parse_run(&out)
+        };
+        let (setup, mapped) = run(&ds);
+        let (_, native) = run(&fsdp);
+        assert_eq!(setup["sharding"]["strategy"], strategy, "{setup}");
+        assert_close(
+            &mapped,
+            &native,
+            1e-6,
+            &format!("ZeRO-{stage} file vs FSDP {strategy}"),
+        );
+    }
+}

@@ -373,12 +373,17 @@ impl ClusterConfig {
     /// `distributed_type` as the kinds accel-rs runs.
     ///
     /// # Errors
-    /// [`Error::Config`] for an Accelerate type accel-rs does not run (`DEEPSPEED`, `XLA`, ...).
+    /// [`Error::Config`] for an Accelerate type accel-rs does not run (`XLA`,
+    /// `MEGATRON_LM`, ...). `DEEPSPEED` runs as FSDP: its ZeRO stage is a
+    /// sharding strategy (the launcher exports its settings).
     pub fn distributed(&self) -> Result<DistributedType> {
+        if self.distributed_type.eq_ignore_ascii_case("DEEPSPEED") {
+            return Ok(DistributedType::Fsdp);
+        }
         self.distributed_type.parse().map_err(|_| Error::Config {
             key: "distributed_type".into(),
             reason: format!(
-                "{} is not supported by accel-rs (supported: NO, MULTI_CPU, MULTI_GPU, FSDP)",
+                "{} is not supported by accel-rs (supported: NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED)",
                 self.distributed_type
             ),
         })
@@ -479,7 +484,7 @@ mod tests {
     }
 
     #[test]
-    fn sagemaker_and_deepspeed_are_named_when_unsupported() {
+    fn sagemaker_and_xla_are_named_and_deepspeed_runs_as_sharding() {
         let e = ClusterConfig::from_yaml_str(
             "compute_environment: AMAZON_SAGEMAKER\ndistributed_type: 'NO'\n",
             Path::new("s.yaml"),
@@ -488,10 +493,9 @@ mod tests {
         assert!(e.to_string().contains("SageMaker"), "{e}");
         let c = ClusterConfig::from_yaml_str("distributed_type: DEEPSPEED\n", Path::new("d.yaml"))
             .unwrap();
-        assert!(c
-            .distributed()
-            .unwrap_err()
-            .to_string()
-            .contains("DEEPSPEED"));
+        assert_eq!(c.distributed().unwrap(), DistributedType::Fsdp);
+        let c =
+            ClusterConfig::from_yaml_str("distributed_type: XLA\n", Path::new("x.yaml")).unwrap();
+        assert!(c.distributed().unwrap_err().to_string().contains("XLA"));
     }
 }

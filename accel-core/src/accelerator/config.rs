@@ -108,6 +108,11 @@ pub struct AcceleratorConfig {
     /// `prepare_fsdp_model`; `None` reads `accel launch`'s `FSDP_*`
     /// variables (set when `distributed_type: FSDP`), else FULL_SHARD defaults.
     pub fsdp: Option<FullyShardedDataParallelPlugin>,
+    /// Clip the gradients' global L2 norm to this at every optimizer step,
+    /// before it (DeepSpeed's `gradient_clipping`, which its engine applies
+    /// without a call; set by `distributed_type: DEEPSPEED`). `None`: only
+    /// where the loop calls `clip_grad_norm`.
+    pub gradient_clipping: Option<f64>,
 }
 
 impl Default for AcceleratorConfig {
@@ -126,6 +131,7 @@ impl Default for AcceleratorConfig {
             ddp: DdpConfig::default(),
             init_kwargs: None,
             fsdp: None,
+            gradient_clipping: None,
         }
     }
 }

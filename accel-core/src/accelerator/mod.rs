@@ -95,6 +95,14 @@ impl Accelerator {
     pub fn new(config: AcceleratorConfig) -> Result<Self> {
         // `accel launch --mixed_precision` exports ACCELERATE_MIXED_PRECISION;
         // an explicit choice in `config` wins over it.
+        let mut config = config;
+        // `distributed_type: DEEPSPEED`: the ZeRO stage, accumulation,
+        // clipping and precision of the launcher's DeepSpeed settings.
+        if config.fsdp.is_none() {
+            if let Some(ds) = crate::deepspeed::from_vars(|k| std::env::var(k).ok())? {
+                crate::deepspeed::apply_to_accelerator(&ds, &mut config)?;
+            }
+        }
         let mut config = config.with_env_precision()?;
         if config.fsdp.is_none() {
             config.fsdp = FullyShardedDataParallelPlugin::from_env()?;
@@ -403,7 +411,8 @@ impl Accelerator {
             model.clone(),
             self.grad_state.clone(),
             self.scaler.clone(),
-        );
+        )
+        .with_gradient_clipping(self.config.gradient_clipping);
         self.optimizers.push(opt.clone());
         opt
     }

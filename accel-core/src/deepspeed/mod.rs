@@ -29,12 +29,15 @@
 //! ```
 
 mod keys;
+mod launcher;
 mod plan;
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
+pub(crate) use launcher::apply as apply_to_accelerator;
+pub use launcher::{from_vars, ENV_USE_DEEPSPEED};
 pub use plan::{DeepSpeedOptimizer, DeepSpeedPlan, DeepSpeedScheduler};
 
 use crate::trainer::TrainingArguments;

@@ -15,6 +15,9 @@ struct Inner {
     grad_state: GradientState,
     scaler: Option<Arc<Mutex<GradScaler>>>,
     step_was_skipped: bool,
+    /// Clip the global L2 norm to this before each step (DeepSpeed's
+    /// `gradient_clipping`).
+    clip: Option<f64>,
 }
 
 /// An optimizer wrapped by the Accelerator, as Accelerate's `AcceleratedOptimizer`:
@@ -44,8 +47,15 @@ impl PreparedOptimizer {
                 grad_state,
                 scaler,
                 step_was_skipped: false,
+                clip: None,
             })),
         }
+    }
+
+    /// Clips the gradients' global L2 norm to `max_norm` before every step.
+    pub(crate) fn with_gradient_clipping(self, max_norm: Option<f64>) -> Self {
+        self.lock().clip = max_norm;
+        self
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -68,6 +78,9 @@ impl PreparedOptimizer {
         if found_inf {
             tracing::debug!("optimizer step skipped: non-finite gradients");
         } else {
+            if let Some(max_norm) = g.clip {
+                g.model.clip_grad_norm(max_norm, 2.0)?;
+            }
             // A compute copy written since the last step is taken up, not overwritten.
             g.model.adopt_outside_writes()?;
             let (params, grads, ids) = {
