@@ -14,8 +14,10 @@ use crate::{Error, Result};
 
 /// Which unit each parameter belongs to (absent: the root unit), choosing
 /// whole blocks as `policy` says: a block is wrapped when its class name or
-/// its module name matches a transformer pattern, or when it holds at least
-/// `min_num_params` scalars under the size-based policy.
+/// its module name matches a transformer pattern (with no pattern: when its
+/// class repeats in the model, the decoder layers that transformers'
+/// `_no_split_modules` names), or when it holds at least `min_num_params`
+/// scalars under the size-based policy.
 ///
 /// # Errors
 /// A parameter no block holds (the sharded model could never reach it), or a
@@ -27,11 +29,20 @@ pub(crate) fn plan_units(
 ) -> Result<HashMap<String, String>> {
     let mut owners: HashMap<String, Vec<(String, bool)>> = HashMap::new();
     let numel: HashMap<&str, usize> = params.iter().map(|(n, k)| (n.as_str(), *k)).collect();
+    let mut class_count: HashMap<String, usize> = HashMap::new();
+    for block in model.blocks() {
+        *class_count
+            .entry(block.class_name().to_string())
+            .or_default() += 1;
+    }
     for block in model.blocks() {
         let name = block.name();
         let names = block.weights().names();
         let wrapped = match policy {
             AutoWrapPolicy::NoWrap => false,
+            AutoWrapPolicy::Transformer { patterns } if patterns.is_empty() => {
+                class_count.get(block.class_name()).is_some_and(|&n| n > 1)
+            }
             AutoWrapPolicy::Transformer { patterns } => patterns
                 .iter()
                 .any(|p| p == block.class_name() || matches_pattern(&name, p)),

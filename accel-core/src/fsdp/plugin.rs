@@ -270,13 +270,8 @@ impl FullyShardedDataParallelPlugin {
                     .map(|s| s.trim().to_string())
                     .filter(|s| !s.is_empty())
                     .collect();
-                if patterns.is_empty() {
-                    return Err(Error::Config {
-                        key: "FSDP_TRANSFORMER_CLS_TO_WRAP".into(),
-                        reason: "TRANSFORMER_BASED_WRAP needs module-name patterns such as `h.*`"
-                            .into(),
-                    });
-                }
+                // None named: the model's repeated block class, as
+                // Accelerate falls back to `_no_split_modules`.
                 AutoWrapPolicy::Transformer { patterns }
             }
             Some("SIZE_BASED_WRAP") => {

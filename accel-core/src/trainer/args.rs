@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use accel_dist::ddp::{CommHook, DdpConfig};
 
-use super::options::{config_error as config, FsdpConfig, TrainerAcceleratorConfig};
+use super::fsdp_args::FsdpConfig;
+use super::options::{config_error as config, TrainerAcceleratorConfig};
 use crate::accelerator::{AcceleratorConfig, ProjectConfiguration};
 use crate::precision::PrecisionType;
 use crate::scheduler::Schedule;
@@ -163,11 +164,18 @@ pub struct TrainingArguments {
     /// error at the first backward.
     #[serde(default)]
     pub ddp_find_unused_parameters: Option<bool>,
-    /// Fully sharded data parallel, as transformers' words:
-    /// `"full_shard auto_wrap"`, `"shard_grad_op"`, `"offload"`, ... (empty: off).
-    #[serde(default)]
+    /// Fully sharded data parallel, as transformers' `fsdp`: `"true"` (the
+    /// strategy and the rest from `fsdp_config`), or the legacy words
+    /// `"full_shard auto_wrap"`, `"shard_grad_op offload"`, ...; empty or
+    /// `"false"`: off. From JSON also `true`/`false` or a list of words.
+    #[serde(default, deserialize_with = "super::fsdp_args::fsdp_words")]
     pub fsdp: String,
-    /// Settings of `fsdp` (auto-wrap patterns or size, checkpointing, state dict type).
+    /// transformers' `fsdp_config`: `version`, `reshard_after_forward`,
+    /// `auto_wrap_policy`, `transformer_layer_cls_to_wrap`,
+    /// `min_num_params`, `cpu_offload`, `activation_checkpointing`,
+    /// `state_dict_type`, `cpu_ram_efficient_loading`, FSDP1's prefetch and
+    /// `sync_module_states`; from JSON an object (with or without the
+    /// `fsdp_` prefix) or the path of a JSON file.
     #[serde(default)]
     pub fsdp_config: FsdpConfig,
     /// How the Accelerator splits data between processes.
@@ -453,7 +461,7 @@ impl TrainingArguments {
         config.mixed_precision = self.precision()?;
         config.step_scheduler_with_optimizer = false;
         config = self.accelerator_config.apply(config)?;
-        config.fsdp = super::options::fsdp_plugin(&self.fsdp, &self.fsdp_config)?;
+        config.fsdp = super::fsdp_args::fsdp_plugin(&self.fsdp, &self.fsdp_config)?;
         if let Some(ds) =
             self.deepspeed_config(crate::state::env_usize("WORLD_SIZE")?.unwrap_or(1))?
         {

@@ -31,13 +31,15 @@
 mod args;
 mod batch_size;
 mod deepspeed;
+mod fsdp_args;
 mod options;
 mod state;
 mod train_loop;
 
 pub use args::{IntervalStrategy, SchedulerType, TrainingArguments};
 pub use batch_size::{find_executable_batch_size, is_out_of_memory, reduce_batch_size};
-pub use options::{fsdp_plugin, FsdpConfig, GradientAccumulationKwargs, TrainerAcceleratorConfig};
+pub use fsdp_args::{fsdp_plugin, FsdpConfig, FsdpConfigFields};
+pub use options::{GradientAccumulationKwargs, TrainerAcceleratorConfig};
 pub use state::TrainerState;
 
 use std::collections::BTreeMap;

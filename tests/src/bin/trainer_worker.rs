@@ -4,7 +4,7 @@
 //! learning rate of every step.
 //!
 //! ```text
-//! trainer_worker MODEL_DIR IDS_JSON OUT_DIR STEPS [--deepspeed PATH] [--fsdp WORDS] [--fsdp-config JSON] [--save]
+//! trainer_worker MODEL_DIR IDS_JSON OUT_DIR STEPS [--deepspeed PATH] [--fsdp WORDS] [--fsdp-config JSON|PATH] [--save]
 //! ```
 
 use accel_core::data::TensorDataset;
@@ -44,7 +44,13 @@ fn main() -> Result<()> {
         args.fsdp = words;
     }
     if let Some(c) = opt("--fsdp-config") {
-        args.fsdp_config = serde_json::from_str(&c)?;
+        // A JSON object, or the path of a file holding one.
+        let v = if c.trim_start().starts_with('{') {
+            serde_json::from_str(&c)?
+        } else {
+            serde_json::Value::String(c)
+        };
+        args.fsdp_config = serde_json::from_value(v)?;
     }
     let cfg = ModelConfig::from_path(&model)?;
     let data = TensorDataset::new(vec![t])?;

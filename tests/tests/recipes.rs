@@ -1,7 +1,10 @@
-//! `TrainingArguments::deepspeed` at 2 CPU ranks: the Trainer guide's
-//! ZeRO-2 and ZeRO-3-with-offload files (with `"auto"` values) train with
-//! the losses of the native FSDP settings they map onto, and the file's own
-//! optimizer and DeepSpeed schedule give DeepSpeed's learning rates.
+//! Python recipes at 2 CPU ranks. `TrainingArguments::deepspeed`: the
+//! Trainer guide's ZeRO-2 and ZeRO-3-with-offload files (with `"auto"`
+//! values) train with the losses of the native FSDP settings they map onto,
+//! and the file's own optimizer and DeepSpeed schedule give DeepSpeed's
+//! learning rates; `accel launch` runs an `accelerate config` DEEPSPEED
+//! file. `fsdp=True` with a transformers `fsdp_config.json` trains as the
+//! Accelerate FSDP file of the same settings.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -27,9 +30,16 @@ fn ids(dir: &Path) -> PathBuf {
 
 /// The worker at 2 ranks under `accel launch`; its JSON line.
 fn two_ranks(dir: &Path, name: &str, extra: &[&str]) -> Value {
+    launched(dir, name, &["--num_processes", "2", "--cpu"], extra)
+}
+
+/// The worker under `accel launch` with `launch_flags`; its JSON line.
+fn launched(dir: &Path, name: &str, launch_flags: &[&str], extra: &[&str]) -> Value {
     let out = dir.join(name);
     let mut cmd = Command::new(LAUNCH);
-    cmd.args(["launch", "--num_processes", "2", "--cpu", WORKER])
+    cmd.arg("launch")
+        .args(launch_flags)
+        .arg(WORKER)
         .arg(accel_tests::hf_fixture("llama"))
         .arg(ids(dir))
         .arg(&out)
@@ -224,4 +234,44 @@ fn an_accelerate_deepspeed_file_launches_as_the_fsdp_strategy_of_its_stage() {
             &format!("ZeRO-{stage} file vs FSDP {strategy}"),
         );
     }
+}
+
+/// `fsdp=True` with a transformers `fsdp_config.json` (`fsdp_`-prefixed
+/// keys, FSDP2's `reshard_after_forward: false`) trains as the Accelerate
+/// config file of the same settings (SHARD_GRAD_OP, each LlamaDecoderLayer
+/// a unit).
+#[test]
+fn a_transformers_fsdp_config_file_trains_as_the_accelerate_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("fsdp_config.json");
+    std::fs::write(
+        &json,
+        r#"{"fsdp_transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "fsdp_reshard_after_forward": false, "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_cpu_ram_efficient_loading": true}"#,
+    )
+    .unwrap();
+    let yaml = tmp.path().join("fsdp.yaml");
+    std::fs::write(
+        &yaml,
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  fsdp_state_dict_type: FULL_STATE_DICT\n",
+    )
+    .unwrap();
+    let from_json = two_ranks(
+        tmp.path(),
+        "json",
+        &["--fsdp", "true", "--fsdp-config", json.to_str().unwrap()],
+    );
+    let from_yaml = launched(
+        tmp.path(),
+        "yaml",
+        &["--config_file", yaml.to_str().unwrap()],
+        &[],
+    );
+    assert_eq!(from_json["sharding"], "SHARD_GRAD_OP");
+    assert_eq!(from_yaml["sharding"], "SHARD_GRAD_OP");
+    assert_close(
+        &losses(&from_json),
+        &losses(&from_yaml),
+        1e-6,
+        "fsdp_config.json vs the Accelerate file",
+    );
 }
