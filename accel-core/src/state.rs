@@ -115,6 +115,17 @@ impl ProcessState {
     }
 }
 
+/// A float environment variable, `None` when unset.
+pub(crate) fn env_f64(var: &str) -> Result<Option<f64>> {
+    match std::env::var(var) {
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Config {
+            key: var.into(),
+            reason: format!("{v:?} is not a number"),
+        }),
+        Err(_) => Ok(None),
+    }
+}
+
 pub(crate) fn env_usize(var: &str) -> Result<Option<usize>> {
     match std::env::var(var) {
         Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Config {

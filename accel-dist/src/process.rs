@@ -38,12 +38,15 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 pub struct InitProcessGroupKwargs {
     /// How long any blocking collective or rendezvous step may wait for a peer.
     pub timeout: Duration,
+    /// The transport; `None` keeps the launcher's (`ACCEL_DIST_BACKEND`, else auto).
+    pub backend: Option<Backend>,
 }
 
 impl Default for InitProcessGroupKwargs {
     fn default() -> Self {
         Self {
             timeout: DEFAULT_TIMEOUT,
+            backend: None,
         }
     }
 }
@@ -52,6 +55,12 @@ impl InitProcessGroupKwargs {
     /// Sets the timeout.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Sets the transport (PyTorch's `backend=`).
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = Some(backend);
         self
     }
 }
@@ -228,6 +237,9 @@ impl ProcessGroupConfig {
     /// Applies accelerate-style kwargs.
     pub fn with_kwargs(mut self, kwargs: &InitProcessGroupKwargs) -> Self {
         self.timeout = kwargs.timeout;
+        if let Some(b) = kwargs.backend {
+            self.backend = b;
+        }
         self
     }
 

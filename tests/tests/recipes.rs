@@ -275,3 +275,50 @@ fn a_transformers_fsdp_config_file_trains_as_the_accelerate_file() {
         "fsdp_config.json vs the Accelerate file",
     );
 }
+
+/// `ddp_timeout=5` at rank 0 of 2 whose peer never comes: the run fails
+/// after about 5 s (not the default 30 minutes) naming the missing rank;
+/// `ddp_backend` names what is not built.
+#[test]
+fn ddp_timeout_bounds_the_wait_for_a_missing_rank_and_names_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut cmd = Command::new(WORKER);
+    cmd.arg(accel_tests::hf_fixture("llama"))
+        .arg(ids(tmp.path()))
+        .arg(tmp.path().join("alone"))
+        .arg("2")
+        .args(["--ddp-timeout", "5"])
+        .env("RANK", "0")
+        .env("LOCAL_RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("ACCEL_JOB_TOKEN", "test-token")
+        .env_remove("ACCEL_DIST_TIMEOUT");
+    let started = std::time::Instant::now();
+    let (ok, _, err) = accel_tests::run_program(cmd, None);
+    let took = started.elapsed().as_secs_f64();
+    assert!(!ok, "a rank alone cannot train");
+    assert!(
+        (4.5..60.0).contains(&took),
+        "failed after {took:.1} s: {err}"
+    );
+    assert!(err.contains("rank 1"), "{err}");
+    let mut cmd = Command::new(WORKER);
+    cmd.arg(accel_tests::hf_fixture("llama"))
+        .arg(ids(tmp.path()))
+        .arg(tmp.path().join("mpi"))
+        .arg("2")
+        .args(["--ddp-backend", "mpi"]);
+    let (ok, _, err) = accel_tests::run_program(cmd, None);
+    assert!(
+        !ok && err.contains("ddp_backend") && err.contains("mpi"),
+        "{err}"
+    );
+}

@@ -164,6 +164,22 @@ pub struct TrainingArguments {
     /// error at the first backward.
     #[serde(default)]
     pub ddp_find_unused_parameters: Option<bool>,
+    /// The collective transport, as transformers' `ddp_backend`: `nccl`
+    /// (CUDA), `gloo` (the TCP backend); `mpi`, `ccl`, `hccl`, ... are
+    /// refused by name. `None`: the launcher's choice (NCCL on CUDA with the
+    /// `nccl` feature, else TCP).
+    #[serde(default)]
+    pub ddp_backend: Option<String>,
+    /// Seconds any collective or rendezvous step waits for a peer before
+    /// failing with the missing rank named (transformers' `ddp_timeout`;
+    /// `None`: the launcher's `--timeout`, else 1800).
+    #[serde(default)]
+    pub ddp_timeout: Option<f64>,
+    /// DDP's buffer broadcast (transformers' `ddp_broadcast_buffers`): the
+    /// models here keep no buffers outside their parameters, so it has no
+    /// effect (said at start-up when set).
+    #[serde(default)]
+    pub ddp_broadcast_buffers: Option<bool>,
     /// Fully sharded data parallel, as transformers' `fsdp`: `"true"` (the
     /// strategy and the rest from `fsdp_config`), or the legacy words
     /// `"full_shard auto_wrap"`, `"shard_grad_op offload"`, ...; empty or
@@ -178,8 +194,9 @@ pub struct TrainingArguments {
     /// `fsdp_` prefix) or the path of a JSON file.
     #[serde(default)]
     pub fsdp_config: FsdpConfig,
-    /// How the Accelerator splits data between processes.
-    #[serde(default)]
+    /// How the Accelerator splits data between processes (from JSON an
+    /// object or the path of a JSON file, as transformers takes it).
+    #[serde(default, deserialize_with = "super::options::accelerator_config_arg")]
     pub accelerator_config: TrainerAcceleratorConfig,
     /// Capture the training step as a CUDA graph and replay it (as
     /// `torch.compile(mode="reduce-overhead")`). Capture is not built yet:
@@ -234,6 +251,9 @@ impl Default for TrainingArguments {
             ddp_bucket_cap_mb: None,
             ddp_comm_hook: CommHook::None,
             ddp_find_unused_parameters: None,
+            ddp_backend: None,
+            ddp_timeout: None,
+            ddp_broadcast_buffers: None,
             fsdp: String::new(),
             fsdp_config: FsdpConfig::default(),
             accelerator_config: TrainerAcceleratorConfig::default(),
@@ -414,6 +434,57 @@ impl TrainingArguments {
         Ok(Some(ds))
     }
 
+    /// The process-group settings of `ddp_backend` and `ddp_timeout`, if any.
+    ///
+    /// # Errors
+    /// A backend accel-rs does not have (named), NCCL on a CPU run, a
+    /// timeout that is not a positive number of seconds.
+    pub fn init_kwargs(&self) -> Result<Option<accel_dist::InitProcessGroupKwargs>> {
+        if self.ddp_backend.is_none() && self.ddp_timeout.is_none() {
+            return Ok(None);
+        }
+        let mut k = accel_dist::InitProcessGroupKwargs::default();
+        if let Some(secs) = self.ddp_timeout {
+            if !(secs.is_finite() && secs > 0.0) {
+                return Err(config(
+                    "ddp_timeout",
+                    "must be a positive number of seconds",
+                ));
+            }
+            k = k.with_timeout(std::time::Duration::from_secs_f64(secs));
+        } else if let Some(secs) = crate::state::env_f64(accel_dist::process::ENV_TIMEOUT)? {
+            // The launcher's --timeout stays in force when only the backend is set.
+            k = k.with_timeout(std::time::Duration::from_secs_f64(secs));
+        }
+        if let Some(b) = &self.ddp_backend {
+            let backend =
+                match b.to_ascii_lowercase().as_str() {
+                    "nccl" if self.use_cpu => return Err(config(
+                        "ddp_backend",
+                        "nccl needs CUDA devices and this run is on the CPU (use_cpu); use gloo",
+                    )),
+                    "nccl" => accel_dist::Backend::Nccl,
+                    "gloo" | "tcp" => accel_dist::Backend::Tcp,
+                    other @ ("mpi" | "ccl" | "hccl" | "cncl" | "mccl" | "xla" | "smddp") => {
+                        return Err(config(
+                            "ddp_backend",
+                            &format!(
+                                "{other:?} is not built in accel-rs (nccl on CUDA, gloo over TCP)"
+                            ),
+                        ))
+                    }
+                    other => {
+                        return Err(config(
+                            "ddp_backend",
+                            &format!("unknown backend {other:?} (expected nccl or gloo)"),
+                        ))
+                    }
+                };
+            k = k.with_backend(backend);
+        }
+        Ok(Some(k))
+    }
+
     /// The trackers to start: `report_to` without `none`.
     pub fn trackers(&self) -> Vec<String> {
         self.report_to
@@ -460,6 +531,14 @@ impl TrainingArguments {
             .with_ddp(self.ddp_config());
         config.mixed_precision = self.precision()?;
         config.step_scheduler_with_optimizer = false;
+        if let Some(kwargs) = self.init_kwargs()? {
+            config = config.with_init_kwargs(kwargs);
+        }
+        if self.ddp_broadcast_buffers.is_some()
+            && crate::state::env_usize("RANK")?.unwrap_or(0) == 0
+        {
+            crate::notice::warn("TrainingArguments::ddp_broadcast_buffers has no effect in accel-rs: models keep no buffers outside their parameters, which DDP already keeps equal");
+        }
         config = self.accelerator_config.apply(config)?;
         config.fsdp = super::fsdp_args::fsdp_plugin(&self.fsdp, &self.fsdp_config)?;
         if let Some(ds) =
@@ -475,117 +554,4 @@ impl TrainingArguments {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn defaults_follow_transformers() {
-        let a = TrainingArguments::default();
-        assert_eq!(a.learning_rate, 5e-5);
-        assert_eq!(a.max_grad_norm, 1.0);
-        assert_eq!(a.max_steps, -1);
-        assert_eq!(a.num_train_epochs, 3.0);
-        assert_eq!(a.per_device_train_batch_size, 8);
-        assert_eq!(a.lr_scheduler_type, SchedulerType::Linear);
-        assert_eq!(a.seed, 42);
-    }
-
-    #[test]
-    fn steps_come_from_epochs_unless_max_steps_is_positive() {
-        let mut a = TrainingArguments::new("out");
-        a.num_train_epochs = 2.5;
-        assert_eq!(a.num_training_steps(4), 10);
-        a.max_steps = 7;
-        assert_eq!(a.num_training_steps(4), 7);
-    }
-
-    #[test]
-    fn warmup_ratio_rounds_up_and_warmup_steps_win() {
-        let mut a = TrainingArguments::new("out");
-        a.warmup_ratio = 0.1;
-        assert_eq!(a.num_warmup_steps(15), 2);
-        a.warmup_steps = 5;
-        assert_eq!(a.num_warmup_steps(15), 5);
-        a.lr_scheduler_type = SchedulerType::Cosine;
-        assert_eq!(
-            a.schedule(15),
-            Schedule::Cosine {
-                warmup: 5,
-                total: 15
-            }
-        );
-    }
-
-    #[test]
-    fn precision_flags_override_and_conflict() {
-        let mut a = TrainingArguments::new("out");
-        a.bf16 = true;
-        assert_eq!(a.precision().unwrap(), Some(PrecisionType::Bf16));
-        a.fp16 = true;
-        assert!(a.validate().is_err());
-    }
-
-    #[test]
-    fn unset_precision_is_left_to_the_launcher_and_an_explicit_one_is_kept() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut a = TrainingArguments::new(dir.path());
-        // None: Accelerator::new takes ACCELERATE_MIXED_PRECISION, then `no`.
-        assert_eq!(a.accelerator_config().unwrap().mixed_precision, None);
-        a.mixed_precision = Some(PrecisionType::No);
-        let c = a.accelerator_config().unwrap();
-        assert_eq!(c.mixed_precision, Some(PrecisionType::No));
-        assert_eq!(
-            crate::config::resolve_precision(c.mixed_precision, Some("bf16")).unwrap(),
-            PrecisionType::No
-        );
-        a.mixed_precision = None;
-        a.bf16 = true;
-        let c = a.accelerator_config().unwrap();
-        assert_eq!(c.mixed_precision, Some(PrecisionType::Bf16));
-    }
-
-    #[test]
-    fn names_parse_as_in_transformers() {
-        assert_eq!(
-            "constant_with_warmup".parse::<SchedulerType>().unwrap(),
-            SchedulerType::ConstantWithWarmup
-        );
-        assert_eq!(
-            "epoch".parse::<IntervalStrategy>().unwrap(),
-            IntervalStrategy::Epoch
-        );
-        assert!("sometimes".parse::<IntervalStrategy>().is_err());
-    }
-
-    #[test]
-    fn ddp_settings_reach_the_accelerator_config() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut a = TrainingArguments::new(dir.path());
-        let c = a.accelerator_config().unwrap();
-        assert_eq!(c.ddp, DdpConfig::default());
-        a.ddp_bucket_cap_mb = Some(4.5);
-        a.ddp_comm_hook = CommHook::Bf16;
-        let c = a.accelerator_config().unwrap();
-        assert_eq!(c.ddp.bucket_cap_mb, 4.5);
-        assert_eq!(c.ddp.comm_hook, CommHook::Bf16);
-        a.ddp_bucket_cap_mb = Some(0.0);
-        assert!(a.accelerator_config().is_err());
-    }
-
-    #[test]
-    fn old_serialized_arguments_still_load() {
-        let mut v = serde_json::to_value(TrainingArguments::default()).unwrap();
-        let m = v.as_object_mut().unwrap();
-        m.remove("ddp_bucket_cap_mb");
-        m.remove("ddp_comm_hook");
-        let a: TrainingArguments = serde_json::from_value(v).unwrap();
-        assert_eq!(a, TrainingArguments::default());
-    }
-
-    #[test]
-    fn report_to_none_starts_no_tracker() {
-        let mut a = TrainingArguments::new("out");
-        a.report_to = vec!["none".into()];
-        assert!(a.trackers().is_empty());
-    }
-}
+mod tests;

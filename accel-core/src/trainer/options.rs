@@ -75,6 +75,27 @@ impl TrainerAcceleratorConfig {
     }
 }
 
+/// `accelerator_config` as transformers takes it: a JSON object, or the path
+/// of a JSON file holding one.
+pub(super) fn accelerator_config_arg<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<TrainerAcceleratorConfig, D::Error> {
+    use serde::de::Error as _;
+    let v = serde_json::Value::deserialize(d)?;
+    let v = match v {
+        serde_json::Value::Null => return Ok(TrainerAcceleratorConfig::default()),
+        serde_json::Value::String(path) => {
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                D::Error::custom(format!("accelerator_config: reading {path}: {e}"))
+            })?;
+            serde_json::from_str(&text)
+                .map_err(|e| D::Error::custom(format!("accelerator_config: {path}: {e}")))?
+        }
+        other => other,
+    };
+    serde_json::from_value(v).map_err(|e| D::Error::custom(format!("accelerator_config: {e}")))
+}
+
 /// An [`Error::Config`] for `key`. Here rather than in args.rs, which
 /// imports this file, so the two files do not import each other.
 pub(super) fn config_error(key: &str, reason: &str) -> Error {

@@ -4,7 +4,8 @@
 //! learning rate of every step.
 //!
 //! ```text
-//! trainer_worker MODEL_DIR IDS_JSON OUT_DIR STEPS [--deepspeed PATH] [--fsdp WORDS] [--fsdp-config JSON|PATH] [--save]
+//! trainer_worker MODEL_DIR IDS_JSON OUT_DIR STEPS [--deepspeed PATH] [--fsdp WORDS] [--fsdp-config JSON|PATH]
+//!     [--ddp-timeout SECS] [--ddp-backend NAME] [--save]
 //! ```
 
 use accel_core::data::TensorDataset;
@@ -39,6 +40,12 @@ fn main() -> Result<()> {
     args.run_name = "run".into();
     if let Some(ds) = opt("--deepspeed") {
         args.deepspeed = Some(serde_json::Value::String(ds));
+    }
+    if let Some(t) = opt("--ddp-timeout") {
+        args.ddp_timeout = Some(t.parse().context("--ddp-timeout")?);
+    }
+    if let Some(b) = opt("--ddp-backend") {
+        args.ddp_backend = Some(b);
     }
     if let Some(words) = opt("--fsdp") {
         args.fsdp = words;
