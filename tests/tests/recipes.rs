@@ -322,3 +322,34 @@ fn ddp_timeout_bounds_the_wait_for_a_missing_rank_and_names_it() {
         "{err}"
     );
 }
+
+/// `dataloader_num_workers`: batches made on background threads are the
+/// batches the loop would make, so the losses are the same bit for bit, at
+/// one process and at two ranks.
+#[test]
+fn loader_workers_change_nothing_but_when_batches_are_made() {
+    let tmp = tempfile::tempdir().unwrap();
+    let alone = |name: &str, extra: &[&str]| {
+        let mut cmd = Command::new(WORKER);
+        cmd.arg(accel_tests::hf_fixture("llama"))
+            .arg(ids(tmp.path()))
+            .arg(tmp.path().join(name))
+            .arg("6")
+            .args(extra);
+        let (ok, out, err) = accel_tests::run_program(cmd, None);
+        assert!(ok, "{err}");
+        let line = out
+            .lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .unwrap()
+            .to_string();
+        serde_json::from_str::<Value>(&line).unwrap()
+    };
+    let plain = alone("w0", &[]);
+    let workers = alone("w2", &["--dataloader-num-workers", "2"]);
+    assert_eq!(losses(&plain), losses(&workers));
+    let two = two_ranks(tmp.path(), "w2-ranks", &["--dataloader-num-workers", "2"]);
+    let two_plain = two_ranks(tmp.path(), "w0-ranks", &[]);
+    assert_eq!(losses(&two), losses(&two_plain));
+}

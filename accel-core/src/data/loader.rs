@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
 
+use super::prefetch::Prefetch;
 use super::shard::{remainder, shard_batches, sharded_len, ShardConfig};
 use super::{batch_indices, Dataset};
 use crate::accumulation::GradientState;
@@ -21,6 +22,17 @@ pub struct DataLoaderConfig {
     pub drop_last: bool,
     /// Seed of the shuffle; `None` takes the Accelerator's seed at prepare time.
     pub seed: Option<u64>,
+    /// Background threads preparing batches ahead of the loop (PyTorch's
+    /// `num_workers`); 0 makes each batch when the loop asks for it.
+    #[serde(default)]
+    pub num_workers: usize,
+    /// Batches each worker keeps ready (PyTorch's `prefetch_factor`).
+    #[serde(default = "two")]
+    pub prefetch_factor: usize,
+}
+
+fn two() -> usize {
+    2
 }
 
 impl DataLoaderConfig {
@@ -31,7 +43,17 @@ impl DataLoaderConfig {
             shuffle: false,
             drop_last: false,
             seed: None,
+            num_workers: 0,
+            prefetch_factor: 2,
         }
+    }
+
+    /// Prepares batches on `workers` background threads, each `prefetch`
+    /// batches ahead (the batches and their order do not change).
+    pub fn with_workers(mut self, workers: usize, prefetch: usize) -> Self {
+        self.num_workers = workers;
+        self.prefetch_factor = prefetch;
+        self
     }
 
     /// Reshuffles every epoch.
@@ -194,10 +216,11 @@ impl<D: Dataset> DataLoader<D> {
         }
         LoaderIter {
             loader: self,
-            batches,
+            batches: Arc::new(batches),
             next: p.batch,
             done: false,
             error,
+            prefetch: None,
         }
     }
 }
@@ -213,10 +236,12 @@ impl<'a, D: Dataset> IntoIterator for &'a DataLoader<D> {
 /// Iterator over the batches of one epoch.
 pub struct LoaderIter<'a, D: Dataset> {
     loader: &'a DataLoader<D>,
-    batches: Vec<Vec<usize>>,
+    batches: Arc<Vec<Vec<usize>>>,
     next: usize,
     done: bool,
     error: Option<Error>,
+    /// The workers, started at the first batch when `num_workers > 0`.
+    prefetch: Option<Prefetch<D::Batch>>,
 }
 
 impl<D: Dataset> Iterator for LoaderIter<'_, D> {
@@ -243,7 +268,16 @@ impl<D: Dataset> Iterator for LoaderIter<'_, D> {
         if let Some(g) = &self.loader.grad_state {
             g.mark_end_of_dataloader(self.next == self.batches.len());
         }
-        Some(self.loader.dataset.get_batch(&self.batches[i]))
+        let workers = self.loader.config.num_workers;
+        if workers == 0 {
+            return Some(self.loader.dataset.get_batch(&self.batches[i]));
+        }
+        let depth = self.loader.config.prefetch_factor;
+        let (dataset, batches) = (&self.loader.dataset, &self.batches);
+        let prefetch = self.prefetch.get_or_insert_with(|| {
+            Prefetch::start(dataset.clone(), batches.clone(), i, (workers, depth))
+        });
+        Some(prefetch.next())
     }
 }
 
@@ -297,6 +331,58 @@ mod tests {
         l.skip_first_batches(2);
         let rest: Vec<Vec<u32>> = l.iter().map(ids).collect();
         assert_eq!(rest, vec![vec![4, 5]]);
+    }
+
+    #[test]
+    fn workers_give_the_same_batches_in_the_same_order_and_resume_mid_pass() {
+        let x = Tensor::arange(0u32, 23, &Device::Cpu).unwrap();
+        let make = |workers: usize| {
+            DataLoader::new(
+                TensorDataset::new(vec![x.clone()]).unwrap(),
+                DataLoaderConfig::new(3)
+                    .with_shuffle(true)
+                    .with_seed(5)
+                    .with_workers(workers, 2),
+            )
+        };
+        let plain = make(0);
+        let want: Vec<Vec<Vec<u32>>> = (0..2).map(|_| plain.iter().map(ids).collect()).collect();
+        for workers in [1, 2, 3] {
+            let l = make(workers);
+            let got: Vec<Vec<Vec<u32>>> = (0..2).map(|_| l.iter().map(ids).collect()).collect();
+            assert_eq!(got, want, "{workers} workers");
+            // Broken off after two batches, the next pass picks up at the third.
+            let l = make(workers);
+            let first: Vec<Vec<u32>> = l.iter().take(2).map(ids).collect();
+            let rest: Vec<Vec<u32>> = l.iter().map(ids).collect();
+            assert_eq!(
+                [first, rest].concat(),
+                want[0],
+                "{workers} workers, resumed"
+            );
+        }
+    }
+
+    #[test]
+    fn a_workers_error_reaches_the_loop_at_its_batch() {
+        struct Failing;
+        impl Dataset for Failing {
+            type Batch = usize;
+            fn len(&self) -> usize {
+                6
+            }
+            fn get_batch(&self, indices: &[usize]) -> Result<usize> {
+                if indices.contains(&4) {
+                    return Err(Error::Usage("sample 4 is corrupt".into()));
+                }
+                Ok(indices[0])
+            }
+        }
+        let l = DataLoader::new(Failing, DataLoaderConfig::new(2).with_workers(2, 1));
+        let got: Vec<std::result::Result<usize, String>> =
+            l.iter().map(|b| b.map_err(|e| e.to_string())).collect();
+        assert_eq!(got[..2], [Ok(0), Ok(2)]);
+        assert!(got[2].as_ref().unwrap_err().contains("sample 4"), "{got:?}");
     }
 
     #[test]

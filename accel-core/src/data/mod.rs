@@ -3,6 +3,7 @@
 mod chat;
 mod jsonl;
 mod loader;
+mod prefetch;
 mod sampler;
 mod shard;
 
@@ -20,9 +21,9 @@ use crate::{Error, Result};
 ///
 /// Batches rather than items, because gathering rows of a tensor in one
 /// `index_select` is far cheaper than stacking rows one by one.
-pub trait Dataset: Send + Sync {
+pub trait Dataset: Send + Sync + 'static {
     /// What one batch is (e.g. `Vec<Tensor>` of inputs and targets).
-    type Batch;
+    type Batch: Send + 'static;
     /// Number of samples.
     fn len(&self) -> usize;
     /// True when there are no samples.

@@ -149,6 +149,20 @@ pub struct TrainingArguments {
     pub resume_from_checkpoint: Option<String>,
     /// Drop the short last training batch of each epoch.
     pub dataloader_drop_last: bool,
+    /// Background threads preparing the next batches while a step runs
+    /// (transformers' `dataloader_num_workers`; threads, not processes: a
+    /// Rust dataset needs no interpreter of its own). 0: in the loop.
+    #[serde(default)]
+    pub dataloader_num_workers: usize,
+    /// Batches each worker keeps ready (`dataloader_prefetch_factor`; 2 when
+    /// unset); only with workers, as PyTorch requires.
+    #[serde(default)]
+    pub dataloader_prefetch_factor: Option<usize>,
+    /// Page-locked staging for host-to-device copies
+    /// (`dataloader_pin_memory`). A CPU run copies nothing, and CUDA runs
+    /// copy from pageable memory here: said at start-up when set.
+    #[serde(default)]
+    pub dataloader_pin_memory: Option<bool>,
     /// Hide the progress bar.
     pub disable_tqdm: bool,
     /// Train on the CPU even when a GPU is available.
@@ -246,6 +260,9 @@ impl Default for TrainingArguments {
             report_to: vec!["jsonl".into()],
             resume_from_checkpoint: None,
             dataloader_drop_last: false,
+            dataloader_num_workers: 0,
+            dataloader_prefetch_factor: None,
+            dataloader_pin_memory: None,
             disable_tqdm: false,
             use_cpu: false,
             ddp_bucket_cap_mb: None,
@@ -393,6 +410,15 @@ impl TrainingArguments {
                 "must be positive with eval_strategy steps",
             ));
         }
+        if self.dataloader_prefetch_factor.is_some() && self.dataloader_num_workers == 0 {
+            return Err(config(
+                "dataloader_prefetch_factor",
+                "can only be set with dataloader_num_workers > 0 (as PyTorch's DataLoader)",
+            ));
+        }
+        if self.dataloader_prefetch_factor == Some(0) {
+            return Err(config("dataloader_prefetch_factor", "must be at least 1"));
+        }
         if self
             .ddp_bucket_cap_mb
             .is_some_and(|mb| !(mb.is_finite() && mb > 0.0))
@@ -432,6 +458,21 @@ impl TrainingArguments {
         ds.fill_from_args(self, world);
         ds.check_mismatches()?;
         Ok(Some(ds))
+    }
+
+    /// The settings given that have no effect here, one sentence each.
+    pub fn inert_settings(&self) -> Vec<String> {
+        let mut out = vec![];
+        if self.ddp_broadcast_buffers.is_some() {
+            out.push("TrainingArguments::ddp_broadcast_buffers has no effect in accel-rs: models keep no buffers outside their parameters, which DDP already keeps equal".into());
+        }
+        if self.dataloader_pin_memory == Some(true) {
+            out.push("TrainingArguments::dataloader_pin_memory has no effect in accel-rs: batches are made on the training device's host side and copied from pageable memory (a CPU run copies nothing)".into());
+        }
+        if self.accelerator_config.non_blocking {
+            out.push("accelerator_config.non_blocking has no effect in accel-rs: host-to-device batch copies are synchronous (dataloader_num_workers overlaps batch preparation with the step instead)".into());
+        }
+        out
     }
 
     /// The process-group settings of `ddp_backend` and `ddp_timeout`, if any.

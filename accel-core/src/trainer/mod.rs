@@ -215,12 +215,19 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
             Counted(train_dataset),
             DataLoaderConfig::new(args.per_device_train_batch_size)
                 .with_shuffle(true)
-                .with_drop_last(args.dataloader_drop_last),
+                .with_drop_last(args.dataloader_drop_last)
+                .with_workers(
+                    args.dataloader_num_workers,
+                    args.dataloader_prefetch_factor.unwrap_or(2),
+                ),
         ));
         let eval_loader = eval_dataset.map(|d| {
             acc.prepare_data_loader(DataLoader::new(
                 Counted(d),
-                DataLoaderConfig::new(args.per_device_eval_batch_size),
+                DataLoaderConfig::new(args.per_device_eval_batch_size).with_workers(
+                    args.dataloader_num_workers,
+                    args.dataloader_prefetch_factor.unwrap_or(2),
+                ),
             ))
         });
         // The loader ends an accumulation cycle at its last batch, so a short

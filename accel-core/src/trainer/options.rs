@@ -27,7 +27,8 @@ pub struct TrainerAcceleratorConfig {
     /// has; `false` is refused rather than silently ignored).
     pub use_seedable_sampler: bool,
     /// Asynchronous host-to-device batch copies. candle's copies are
-    /// synchronous, so this changes nothing; accepted for scripts that set it.
+    /// synchronous, so this has no effect (said at start-up when set);
+    /// `dataloader_num_workers` overlaps batch preparation with the step.
     pub non_blocking: bool,
     /// Rank 0 reads every batch and sends the others theirs: not supported
     /// (each rank reads its own shard of the dataset).

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! trainer_worker MODEL_DIR IDS_JSON OUT_DIR STEPS [--deepspeed PATH] [--fsdp WORDS] [--fsdp-config JSON|PATH]
-//!     [--ddp-timeout SECS] [--ddp-backend NAME] [--save]
+//!     [--ddp-timeout SECS] [--ddp-backend NAME] [--dataloader-num-workers N] [--save]
 //! ```
 
 use accel_core::data::TensorDataset;
@@ -43,6 +43,9 @@ fn main() -> Result<()> {
     }
     if let Some(t) = opt("--ddp-timeout") {
         args.ddp_timeout = Some(t.parse().context("--ddp-timeout")?);
+    }
+    if let Some(n) = opt("--dataloader-num-workers") {
+        args.dataloader_num_workers = n.parse().context("--dataloader-num-workers")?;
     }
     if let Some(b) = opt("--ddp-backend") {
         args.ddp_backend = Some(b);

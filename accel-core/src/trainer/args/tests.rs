@@ -124,13 +124,23 @@ fn ddp_backend_and_timeout_become_the_process_group_settings() {
     assert_eq!(k.timeout, std::time::Duration::from_secs(5));
     assert_eq!(k.backend, Some(accel_dist::Backend::Tcp));
     a.ddp_backend = Some("NCCL".into());
-    assert_eq!(a.init_kwargs().unwrap().unwrap().backend, Some(accel_dist::Backend::Nccl));
+    assert_eq!(
+        a.init_kwargs().unwrap().unwrap().backend,
+        Some(accel_dist::Backend::Nccl)
+    );
     a.use_cpu = true;
-    assert!(a.init_kwargs().unwrap_err().to_string().contains("use gloo"));
+    assert!(a
+        .init_kwargs()
+        .unwrap_err()
+        .to_string()
+        .contains("use gloo"));
     for refused in ["mpi", "ccl", "hccl"] {
         a.ddp_backend = Some(refused.into());
         let err = a.init_kwargs().unwrap_err().to_string();
-        assert!(err.contains("ddp_backend") && err.contains(refused), "{err}");
+        assert!(
+            err.contains("ddp_backend") && err.contains(refused),
+            "{err}"
+        );
     }
     a.ddp_backend = None;
     a.ddp_timeout = Some(0.0);
@@ -185,7 +195,13 @@ fn transformers_json_arguments_load_with_paths_bools_and_prefixed_keys() {
     assert!(a.accelerator_config.split_batches && !a.accelerator_config.even_batches);
     let c = a.accelerator_config().unwrap();
     let p = c.fsdp.unwrap();
-    assert_eq!(p.sharding_strategy, accel_dist::fsdp::ShardingStrategy::ShardGradOp);
+    assert_eq!(
+        p.sharding_strategy,
+        accel_dist::fsdp::ShardingStrategy::ShardGradOp
+    );
     assert!(c.split_batches);
-    assert_eq!(c.init_kwargs.unwrap().timeout, std::time::Duration::from_secs(60));
+    assert_eq!(
+        c.init_kwargs.unwrap().timeout,
+        std::time::Duration::from_secs(60)
+    );
 }
