@@ -44,7 +44,7 @@ __device__ void flash_fwd(const typename T::raw *q, const typename T::raw *k,
     }
     const u32 last = min(r0 + FA_FWD_BR, a.t);
     const u32 end = fa_key_end(a, last);
-    for (u32 j0 = 0; j0 < end; j0 += FA_BC) {
+    for (u32 j0 = fa_key_begin(a, r0, FA_BC); j0 < end; j0 += FA_BC) {
         __syncthreads();
         fa_load<T>(ks, kb, a.ks[2], j0, FA_BC, a.s, d, true);
         fa_load<T>(vs, vb, a.vs[2], j0, FA_BC, a.s, d, false);
@@ -155,7 +155,7 @@ __device__ void flash_dq(const typename T::raw *q, const typename T::raw *k,
         }
     }
     const u32 end = fa_key_end(a, min(r0 + FA_DQ_BR, a.t));
-    for (u32 j0 = 0; j0 < end; j0 += FA_BC) {
+    for (u32 j0 = fa_key_begin(a, r0, FA_BC); j0 < end; j0 += FA_BC) {
         __syncthreads();
         fa_load<T>(ks, kb, a.ks[2], j0, FA_BC, a.s, d, true);
         fa_load<T>(vs, vb, a.vs[2], j0, FA_BC, a.s, d, true);
@@ -241,7 +241,9 @@ __device__ void flash_dkdv(const typename T::raw *q, const typename T::raw *k,
         const u32 hi = kv * rep + hr, bh = bi * a.h + hi;
         const typename T::raw *qb = q + bi * a.qs[0] + hi * a.qs[1];
         const typename T::raw *gb = g + (u64)bh * a.t * d;
-        for (u32 i0 = first; i0 < a.t; i0 += FA_KV_BQ) {
+        // A sliding window: queries past the window of the last key see none of these keys.
+        const u32 q_end = fa_query_end(a, min(j0 + FA_KV_BC, a.s));
+        for (u32 i0 = first; i0 < q_end; i0 += FA_KV_BQ) {
             __syncthreads();
             fa_load<T>(qs, qb, a.qs[2], i0, FA_KV_BQ, a.t, d, true);
             fa_load<T>(gs, gb, d, i0, FA_KV_BQ, a.t, d, true);

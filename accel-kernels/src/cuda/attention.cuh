@@ -80,6 +80,33 @@ __device__ __forceinline__ u32 fa_key_end(const FlashDims &a, u32 last) {
     return end < a.s ? (u32)end : a.s;
 }
 
+// The first key tile (a multiple of `tile`) that query rows from `first` on may see: with a sliding
+// window, keys before offset + first + 1 - window are visible to none of them, so their tiles are
+// skipped (work O(T * W), not O(T^2)).
+__device__ __forceinline__ u32 fa_key_begin(const FlashDims &a, u32 first, u32 tile) {
+    if (!a.causal || a.window == 0) {
+        return 0;
+    }
+    u64 reach = (u64)a.offset + first + 1;
+    u64 begin = reach > a.window ? reach - a.window : 0;
+    return (u32)(begin / tile * tile);
+}
+
+// One past the last query that keys below `last` may be seen from: with a sliding window, query i
+// sees key j only while offset + i < j + window, so queries from last - 1 + window - offset on see
+// none of them (a.t without a window).
+__device__ __forceinline__ u32 fa_query_end(const FlashDims &a, u32 last) {
+    if (!a.causal || a.window == 0) {
+        return a.t;
+    }
+    u64 end = (u64)last + a.window - 1;  // offset + i < last - 1 + window
+    if (end <= a.offset) {
+        return 0;
+    }
+    end -= a.offset;
+    return end < a.t ? (u32)end : a.t;
+}
+
 // Loads rows r0.. of a [rows, d] operand (row stride `stride`) into a tile of `n` rows, zero past
 // `rows`; swizzled when `swizzle`.
 template <typename T>

@@ -138,7 +138,7 @@ __device__ void flash_fwd_mma(const typename T::raw *q, const typename T::raw *k
     }
     const u32 rows[2] = {r0 + wr + g, r0 + wr + g + 8};
     const u32 end = fa_key_end(a, min(r0 + FA_MMA_BR, a.t));
-    for (u32 j0 = 0; j0 < end; j0 += FA_MMA_BC) {
+    for (u32 j0 = fa_key_begin(a, r0, FA_MMA_BC); j0 < end; j0 += FA_MMA_BC) {
         __syncthreads();
         for (u32 e = threadIdx.x; e < FA_MMA_BC * D; e += blockDim.x) {
             u32 jj = e / D, c = e % D, j = j0 + jj;
@@ -261,7 +261,7 @@ __device__ void flash_dq_mma(const typename T::raw *q, const typename T::raw *k,
         acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
     }
     const u32 end = fa_key_end(a, min(r0 + FA_MMA_BR, a.t));
-    for (u32 j0 = 0; j0 < end; j0 += FA_MMA_BC) {
+    for (u32 j0 = fa_key_begin(a, r0, FA_MMA_BC); j0 < end; j0 += FA_MMA_BC) {
         __syncthreads();
         for (u32 e = threadIdx.x; e < FA_MMA_BC * D; e += blockDim.x) {
             u32 jj = e / D, c = e % D, j = j0 + jj;
