@@ -353,3 +353,30 @@ fn loader_workers_change_nothing_but_when_batches_are_made() {
     let two_plain = two_ranks(tmp.path(), "w0-ranks", &[]);
     assert_eq!(losses(&two), losses(&two_plain));
 }
+
+/// A transformer wrap with no class named wraps the model's repeated block
+/// class (the decoder layers, transformers' `_no_split_modules`): the test
+/// Llama's two `LlamaDecoderLayer`s become the units.
+#[test]
+fn a_transformer_wrap_without_a_class_wraps_the_decoder_layers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let yaml = tmp.path().join("fsdp.yaml");
+    std::fs::write(
+        &yaml,
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: 'no'\nnum_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_sharding_strategy: FULL_SHARD\n",
+    )
+    .unwrap();
+    let mut cmd = Command::new(LAUNCH);
+    cmd.args(["launch", "--config_file"])
+        .arg(&yaml)
+        .arg(env!("CARGO_BIN_EXE_finetune_hf_worker"))
+        .arg("--model")
+        .arg(accel_tests::hf_fixture("llama"))
+        .arg("--data-ids")
+        .arg(ids(tmp.path()))
+        .args(["--steps", "2", "--lr", "1e-2", "--json"]);
+    let (ok, out, err) = accel_tests::run_program(cmd, None);
+    assert!(ok, "{err}\n{out}");
+    let (setup, _) = accel_tests::parse_run(&out);
+    assert_eq!(setup["sharding"]["units"], 2, "{setup}");
+}
