@@ -245,7 +245,7 @@ fn finetune_hf(cli: &Args, dir: &std::path::Path) -> Result<()> {
         ModelConfig::Bert(_) => anyhow::bail!(
             "{}: model_type bert is an encoder without a language-model head; --model takes \
              a causal language model (llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, \
-             gemma3_text, gpt2)",
+             gemma2, gemma3_text, gpt2)",
             dir.display()
         ),
     };

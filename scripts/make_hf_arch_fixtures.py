@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the tiny random checkpoints of the newer architectures under
-tests/fixtures/hf/ (Qwen3, Gemma 3 text, Phi-3 with partial rotary and
-longrope, Mixtral, Qwen3-MoE), with transformers' outputs for them, as
+tests/fixtures/hf/ (Qwen3, Gemma 2, Gemma 3 text, Phi-3 with partial rotary
+and longrope, Mixtral, Qwen3-MoE), with transformers' outputs for them, as
 scripts/make_hf_fixtures.py does for the older ones (same reference.json
 keys: logits, loss, greedy tokens, Accelerate's device maps).
 
@@ -26,6 +26,7 @@ from transformers import (
     Gemma3Config,
     Gemma3ForConditionalGeneration,
     SiglipVisionConfig,
+    Gemma2Config,
     Gemma3TextConfig,
     MixtralConfig,
     Phi3Config,
@@ -83,7 +84,27 @@ def moe_reference(folder, layer, disk_prefix, names):
     }
 
 
+def gemma2():
+    """Gemma 2: Gemma 3's layer without q/k norms, one rope for every layer,
+    and the attention scores soft-capped (`attn_logit_softcapping`, small
+    here so that the tanh bends them) before the mask and softmax."""
+    torch.set_grad_enabled(False)
+    torch.manual_seed(27)
+    cfg = Gemma2Config(
+        vocab_size=152, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_hidden_layers=3,
+        initializer_range=0.3, query_pre_attn_scalar=24, sliding_window=4,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    randomize_norms(model)
+    folder = save("gemma2", model, BIG)
+    write_reference(folder, decoder_reference(folder, DECODER_IDS))
+
+
 def main():
+    gemma2()
     torch.set_grad_enabled(False)
 
     # Qwen3: per-head q/k RMS norms, explicit head_dim (16, not 32 / 4).
@@ -215,4 +236,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    # `gemma2` alone writes only that fixture.
+    if sys.argv[1:] == ["gemma2"]:
+        gemma2()
+    else:
+        main()

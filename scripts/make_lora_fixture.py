@@ -26,6 +26,7 @@ CASES = {
     # The newer architectures (scripts/make_hf_arch_fixtures.py), each with
     # PEFT's default target modules for it (Phi-3: the fused qkv_proj).
     "qwen3": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
+    "gemma2": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
     "gemma3": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
     "phi3": dict(target_modules=["qkv_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),
     "mixtral": dict(target_modules=["q_proj", "v_proj"], ids=[[1, 40, 21, 7, 99], [3, 5, 8, 13, 21]]),

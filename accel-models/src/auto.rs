@@ -24,7 +24,7 @@ use crate::{Bert, Gemma3, Gpt2, Llama, ModelConfig, Result};
 pub enum AutoModel {
     /// `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `mixtral`, `qwen3_moe`.
     Llama(Llama),
-    /// `gemma3_text`, `gemma3` (its text model).
+    /// `gemma3_text`, `gemma3` (its text model), `gemma2`.
     Gemma3(Gemma3),
     /// `gpt2`.
     Gpt2(Gpt2),
@@ -283,7 +283,7 @@ impl AutoModel {
     pub fn layer_class(&self) -> &'static str {
         match self {
             Self::Llama(m) => m.config().family.layer_class(),
-            Self::Gemma3(_) => "Gemma3DecoderLayer",
+            Self::Gemma3(m) => m.config().layer_class(),
             Self::Gpt2(_) => "GPT2Block",
             Self::Bert(_) => "BertLayer",
         }

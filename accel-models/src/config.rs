@@ -18,7 +18,7 @@ use crate::{Error, Result};
 
 /// The `model_type`s this crate implements.
 pub const KNOWN_MODEL_TYPES: &str =
-    "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma3_text, gemma3, gpt2, bert";
+    "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma2, gemma3_text, gemma3, gpt2, bert";
 
 /// `eos_token_id` as transformers allows it: absent, null, one id or a list.
 pub(crate) fn token_ids(v: Option<&Value>) -> Vec<u32> {
@@ -135,7 +135,7 @@ fn absolute() -> String {
 pub enum ModelConfig {
     /// `llama`, `mistral`, `qwen2`, `qwen3`, `phi3`, `mixtral`, `qwen3_moe`.
     Llama(LlamaConfig),
-    /// `gemma3_text`, and the text model of a `gemma3` folder.
+    /// `gemma3_text`, the text model of a `gemma3` folder, and `gemma2`.
     Gemma3(crate::gemma::Gemma3Config),
     /// `gpt2`.
     Gpt2(Gpt2Config),
@@ -215,7 +215,7 @@ impl ModelConfig {
             "phi3" => LlamaFamily::Phi3,
             "mixtral" => LlamaFamily::Mixtral,
             "qwen3_moe" => LlamaFamily::Qwen3Moe,
-            "gemma3_text" | "gemma3" => {
+            "gemma2" | "gemma3_text" | "gemma3" => {
                 return Ok(Self::Gemma3(crate::gemma::Gemma3Config::from_value(
                     &path, value,
                 )?))
@@ -247,6 +247,7 @@ impl ModelConfig {
     pub fn model_type(&self) -> &'static str {
         match self {
             ModelConfig::Llama(c) => c.family.model_type(),
+            ModelConfig::Gemma3(c) if c.version == 2 => "gemma2",
             ModelConfig::Gemma3(_) => "gemma3_text",
             ModelConfig::Gpt2(_) => "gpt2",
             ModelConfig::Bert(_) => "bert",

@@ -42,7 +42,7 @@ impl GemmaNorm {
     }
 }
 
-/// One `Gemma3DecoderLayer`.
+/// One `Gemma3DecoderLayer` (or `Gemma2DecoderLayer`).
 struct Layer {
     cfg: Gemma3Config,
     sliding: bool,
@@ -51,8 +51,9 @@ struct Layer {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
-    q_norm: GemmaNorm,
-    k_norm: GemmaNorm,
+    /// Gemma 3's per-head norms (Gemma 2 has none).
+    q_norm: Option<GemmaNorm>,
+    k_norm: Option<GemmaNorm>,
     post_attention_layernorm: GemmaNorm,
     pre_feedforward_layernorm: GemmaNorm,
     gate_proj: Linear,
@@ -75,8 +76,12 @@ impl Layer {
             k_proj: lin(d, kv, bias, att.pp("k_proj"))?,
             v_proj: lin(d, kv, bias, att.pp("v_proj"))?,
             o_proj: lin(q, d, bias, att.pp("o_proj"))?,
-            q_norm: GemmaNorm::new(hd, eps, att.pp("q_norm"))?,
-            k_norm: GemmaNorm::new(hd, eps, att.pp("k_norm"))?,
+            q_norm: (cfg.version >= 3)
+                .then(|| GemmaNorm::new(hd, eps, att.pp("q_norm")))
+                .transpose()?,
+            k_norm: (cfg.version >= 3)
+                .then(|| GemmaNorm::new(hd, eps, att.pp("k_norm")))
+                .transpose()?,
             post_attention_layernorm: GemmaNorm::new(d, eps, vb.pp("post_attention_layernorm"))?,
             pre_feedforward_layernorm: GemmaNorm::new(d, eps, vb.pp("pre_feedforward_layernorm"))?,
             gate_proj: lin(d, cfg.intermediate_size, false, mlp.pp("gate_proj"))?,
@@ -97,20 +102,29 @@ impl Layer {
             self.cfg.num_attention_heads,
             self.cfg.num_key_value_heads,
         );
-        let q = self
-            .q_norm
-            .forward(&parts::split_heads(&self.q_proj.forward(h)?, nh, hd)?)?;
-        let k = self
-            .k_norm
-            .forward(&parts::split_heads(&self.k_proj.forward(h)?, nkv, hd)?)?;
+        let norm = |n: &Option<GemmaNorm>, t: Tensor| match n {
+            Some(n) => n.forward(&t),
+            None => Ok(t),
+        };
+        let q = norm(
+            &self.q_norm,
+            parts::split_heads(&self.q_proj.forward(h)?, nh, hd)?,
+        )?;
+        let k = norm(
+            &self.k_norm,
+            parts::split_heads(&self.k_proj.forward(h)?, nkv, hd)?,
+        )?;
         let v = parts::split_heads(&self.v_proj.forward(h)?, nkv, hd)?;
         let Some((cos, sin)) = &x.rope else {
-            candle_core::bail!("a Gemma 3 layer needs rotary tables in Activations::rope")
+            candle_core::bail!("a Gemma layer needs rotary tables in Activations::rope")
         };
         let (q, k) = (ops::rope(&q, cos, sin)?, ops::rope(&k, cos, sin)?);
         let window = self.sliding.then_some(self.cfg.sliding_window);
         let scale = self.cfg.query_pre_attn_scalar.powf(-0.5);
-        let y = parts::causal_attention(x, (q, k, v), window, scale)?;
+        let y = match self.cfg.attn_logit_softcapping {
+            Some(cap) => parts::softcapped_attention(x, (q, k, v), window, scale, cap)?,
+            None => parts::causal_attention(x, (q, k, v), window, scale)?,
+        };
         self.o_proj.forward(&y)
     }
 }
@@ -171,7 +185,8 @@ impl BlockForward for Head {
     }
 }
 
-/// A Gemma 3 causal language model (`Gemma3ForCausalLM`).
+/// A Gemma 3 causal language model (`Gemma3ForCausalLM`), or Gemma 2's
+/// (`Gemma2ForCausalLM`).
 pub struct Gemma3 {
     cfg: Gemma3Config,
     embed_tokens: Block<ScaledEmbedding>,
@@ -200,24 +215,23 @@ impl Gemma3 {
             stdev: 0.02,
         };
         let emb_name = format!("{p}.embed_tokens");
-        let embed_tokens =
-            Block::new(&vb, &emb_name, "Gemma3TextScaledWordEmbedding", move |vb| {
-                let w = vb.get_with_hints((v, d), "weight", init)?;
-                Ok(ScaledEmbedding(Embedding::new(w, d), (d as f64).sqrt()))
-            })?;
+        let embed_tokens = Block::new(&vb, &emb_name, cfg.embedding_class(), move |vb| {
+            let w = vb.get_with_hints((v, d), "weight", init)?;
+            Ok(ScaledEmbedding(Embedding::new(w, d), (d as f64).sqrt()))
+        })?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let c = cfg.clone();
                 Block::new(
                     &vb,
                     &format!("{p}.layers.{i}"),
-                    "Gemma3DecoderLayer",
+                    cfg.layer_class(),
                     move |vb| Layer::new(c.clone(), i, vb),
                 )
             })
             .collect::<accel_nn::Result<Vec<_>>>()?;
         let eps = cfg.rms_norm_eps;
-        let norm = Block::new(&vb, &format!("{p}.norm"), "Gemma3RMSNorm", move |vb| {
+        let norm = Block::new(&vb, &format!("{p}.norm"), cfg.norm_class(), move |vb| {
             Ok(FinalNorm(GemmaNorm::new(d, eps, vb)?))
         })?;
         let (softcap, tied) = (cfg.final_logit_softcapping, cfg.tie_word_embeddings);

@@ -1,7 +1,9 @@
 //! `config.json` of Gemma 3's text model (`gemma3_text`, or the
 //! `text_config` of a `gemma3` folder), in transformers 5's spelling
 //! (`layer_types`, `rope_parameters` per layer type) and the Hub's older one
-//! (`sliding_window_pattern`, `rope_theta` with `rope_local_base_freq`).
+//! (`sliding_window_pattern`, `rope_theta` with `rope_local_base_freq`); and
+//! of Gemma 2 (`gemma2`), the same layer without q/k norms, one rotary
+//! embedding for every layer, and soft-capped attention scores.
 
 use std::path::Path;
 
@@ -39,8 +41,7 @@ struct RawGemma3 {
     #[serde(default)]
     attention_bias: bool,
     tie_word_embeddings: Option<bool>,
-    #[serde(default)]
-    use_bidirectional_attention: bool,
+    use_bidirectional_attention: Option<bool>,
     eos_token_id: Option<Value>,
 }
 
@@ -77,6 +78,11 @@ pub struct Gemma3Config {
     pub rope_global: RopeSpec,
     /// `tanh(logits / c) * c` on the output logits.
     pub final_logit_softcapping: Option<f64>,
+    /// `tanh(scores / c) * c` on the attention scores before the mask
+    /// (Gemma 2's `attn_logit_softcapping`).
+    pub attn_logit_softcapping: Option<f64>,
+    /// 2 (`gemma2`: no q/k norms) or 3.
+    pub version: u8,
     /// Biases on the attention projections.
     pub attention_bias: bool,
     /// Whether the head reuses the embedding table.
@@ -92,10 +98,42 @@ pub struct Gemma3Config {
 }
 
 impl Gemma3Config {
+    /// transformers' decoder layer class (`no_split_module_classes`, FSDP's wrap).
+    pub fn layer_class(&self) -> &'static str {
+        if self.version == 2 {
+            "Gemma2DecoderLayer"
+        } else {
+            "Gemma3DecoderLayer"
+        }
+    }
+
+    /// The embedding's class.
+    pub fn embedding_class(&self) -> &'static str {
+        if self.version == 2 {
+            "Embedding"
+        } else {
+            "Gemma3TextScaledWordEmbedding"
+        }
+    }
+
+    /// The final norm's class.
+    pub fn norm_class(&self) -> &'static str {
+        if self.version == 2 {
+            "Gemma2RMSNorm"
+        } else {
+            "Gemma3RMSNorm"
+        }
+    }
+
     /// The config of a `gemma3_text` file, or the `text_config` of a
     /// `gemma3` (multimodal) one.
     pub(crate) fn from_value(path: &Path, value: Value) -> Result<Self> {
-        let multimodal = value.get("model_type").and_then(Value::as_str) == Some("gemma3");
+        let model_type = value
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let version = if model_type == "gemma2" { 2 } else { 3 };
+        let multimodal = model_type == "gemma3";
         let text = if multimodal {
             value
                 .get("text_config")
@@ -113,13 +151,16 @@ impl Gemma3Config {
             key: key.into(),
             reason,
         };
-        if let Some(c) = raw.attn_logit_softcapping {
+        if let Some(c) = raw
+            .attn_logit_softcapping
+            .filter(|c| !(c.is_finite() && *c > 0.0))
+        {
             return Err(unsupported(
                 "attn_logit_softcapping",
-                format!("{c}: softcapped attention scores are not in the attention kernels"),
+                format!("{c}: must be a positive number"),
             ));
         }
-        if raw.use_bidirectional_attention {
+        if raw.use_bidirectional_attention == Some(true) {
             return Err(unsupported(
                 "use_bidirectional_attention",
                 "true: only causal attention is implemented".into(),
@@ -132,7 +173,7 @@ impl Gemma3Config {
         {
             return Err(unsupported(
                 "hidden_activation",
-                format!("{act:?}; Gemma 3 uses gelu_pytorch_tanh"),
+                format!("{act:?}; Gemma uses gelu_pytorch_tanh"),
             ));
         }
         let heads = raw.num_attention_heads;
@@ -154,6 +195,8 @@ impl Gemma3Config {
                     other => Err(unsupported("layer_types", format!("{other:?}"))),
                 })
                 .collect::<Result<_>>()?,
+            // Gemma 2 without `layer_types`: even layers slide.
+            (None, None) if version == 2 => (0..n).map(|i| (i + 1) % 2 == 1).collect(),
             // Older configs: every `pattern`-th layer is global.
             (None, p) => (0..n).map(|i| (i + 1) % p.unwrap_or(6) != 0).collect(),
         };
@@ -165,6 +208,28 @@ impl Gemma3Config {
         }
         let dims = (head_dim, raw.max_position_embeddings);
         let (rope_local, rope_global) = match &raw.rope_parameters {
+            // Gemma 2: one embedding for every layer.
+            Some(one) if version == 2 => {
+                let params: RopeParameters = parse(path, one.clone())?;
+                let spec = RopeSpec::parse(
+                    path,
+                    "rope_parameters",
+                    Some(&params),
+                    dims,
+                    (None, None, None),
+                )?;
+                (spec.clone(), spec)
+            }
+            None if version == 2 => {
+                let spec = RopeSpec::parse(
+                    path,
+                    "rope_scaling",
+                    raw.rope_scaling.as_ref(),
+                    dims,
+                    (Some(raw.rope_theta.unwrap_or(10_000.0)), None, None),
+                )?;
+                (spec.clone(), spec)
+            }
             Some(Value::Object(per_type)) if per_type.contains_key("full_attention") => {
                 let get = |k: &str| -> Result<Option<RopeParameters>> {
                     per_type.get(k).map(|v| parse(path, v.clone())).transpose()
@@ -224,6 +289,8 @@ impl Gemma3Config {
             rope_local,
             rope_global,
             final_logit_softcapping: raw.final_logit_softcapping,
+            attn_logit_softcapping: raw.attn_logit_softcapping,
+            version,
             attention_bias: raw.attention_bias,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(true),
             eos_token_ids: token_ids(raw.eos_token_id.as_ref()),

@@ -106,6 +106,65 @@ pub(crate) fn causal_attention(
     )?)
 }
 
+/// [`causal_attention`] with Gemma 2's soft-capped scores: `tanh(s / cap) *
+/// cap` on the scaled scores before the mask and the softmax (transformers'
+/// `eager_attention_forward`, which Gemma 2 requires: SDPA and the flash
+/// kernels have no softcap). Composed from ops with a backward, the scores
+/// materialised `[b, h, t, s]` as transformers does.
+pub(crate) fn softcapped_attention(
+    x: &Activations,
+    (q, k, v): (Tensor, Tensor, Tensor),
+    window: Option<usize>,
+    scale: f64,
+    cap: f64,
+) -> candle_core::Result<Tensor> {
+    let (b, h, t, hd) = q.dims4()?;
+    let (k, v) = match &x.cache {
+        Some(slot) => {
+            let mut cache = slot.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(w) = window {
+                cache.keep_last(w.saturating_sub(1))?;
+            }
+            cache.append(&k, &v)?
+        }
+        None => (k, v),
+    };
+    let (kvh, s) = (k.dim(1)?, k.dim(2)?);
+    // transformers' `repeat_kv`: query head i reads key/value head i / (h / kvh).
+    let repeat = |x: &Tensor| -> candle_core::Result<Tensor> {
+        if kvh == h {
+            return Ok(x.clone());
+        }
+        x.unsqueeze(2)?
+            .broadcast_as((b, kvh, h / kvh, s, hd))?
+            .reshape((b, h, s, hd))
+    };
+    let (k, v) = (repeat(&k)?, repeat(&v)?);
+    let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * scale)?;
+    let capped = ((scores / cap)?.tanh()? * cap)?;
+    // The causal (and sliding) mask as -inf, plus the activations' bias.
+    let offset = s - t;
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..s).map(move |j| {
+                let seen = j <= offset + i && window.is_none_or(|w| offset + i < j + w);
+                if seen {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (1, 1, t, s), q.device())?;
+    let mut logits = capped.to_dtype(DType::F32)?.broadcast_add(&mask)?;
+    if let Some(bias) = &x.attention_bias {
+        logits = logits.broadcast_add(&bias.to_dtype(DType::F32)?)?;
+    }
+    let probs = ops::softmax_last_dim(&logits)?.to_dtype(q.dtype())?;
+    merge_heads(&probs.matmul(&v.contiguous()?)?)
+}
+
 /// `[b, t, heads * hd]` to `[b, heads, t, hd]`.
 pub(crate) fn split_heads(x: &Tensor, heads: usize, hd: usize) -> candle_core::Result<Tensor> {
     let (b, t, _) = x.dims3()?;

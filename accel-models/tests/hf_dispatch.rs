@@ -163,6 +163,7 @@ fn planned_device_maps_equal_accelerates_and_dispatch_to_the_same_logits() {
         "gpt2",
         "bert",
         "qwen3",
+        "gemma2",
         "gemma3",
         "phi3",
         "mixtral",

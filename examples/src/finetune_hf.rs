@@ -302,7 +302,7 @@ fn is_4bit(source: &accel_core::bigmodel::CheckpointSource, name: &str) -> bool 
 
 /// The causal language models `finetune_hf` trains.
 pub(crate) const CAUSAL_TYPES: &str =
-    "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma3_text, gemma3, gpt2";
+    "llama, mistral, qwen2, qwen3, phi3, mixtral, qwen3_moe, gemma2, gemma3_text, gemma3, gpt2";
 
 /// Vocabulary size of a decoder config; BERT is refused.
 pub(crate) fn decoder_vocab(cfg: &ModelConfig, dir: &Path) -> Result<usize> {

@@ -56,6 +56,7 @@ fn fsdp_by_each_decoder_layer_class_gives_the_one_process_losses() {
     let tmp = tempfile::tempdir().unwrap();
     for (name, class) in [
         ("qwen3", "Qwen3DecoderLayer"),
+        ("gemma2", "Gemma2DecoderLayer"),
         ("gemma3", "Gemma3DecoderLayer"),
         ("phi3", "Phi3DecoderLayer"),
         ("mixtral", "MixtralDecoderLayer"),

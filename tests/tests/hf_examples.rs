@@ -13,19 +13,20 @@ use serde_json::Value;
 
 const HF_LOGITS: &str = env!("CARGO_BIN_EXE_hf_logits_worker");
 const GENERATE: &str = env!("CARGO_BIN_EXE_generate_worker");
-const DECODERS: [&str; 10] = [
+const DECODERS: [&str; 11] = [
     "llama",
     "llama3",
     "mistral",
     "qwen2",
     "gpt2",
     "qwen3",
+    "gemma2",
     "gemma3",
     "phi3",
     "mixtral",
     "qwen3_moe",
 ];
-const ALL: [&str; 11] = [
+const ALL: [&str; 12] = [
     "llama",
     "llama3",
     "mistral",
@@ -33,6 +34,7 @@ const ALL: [&str; 11] = [
     "gpt2",
     "bert",
     "qwen3",
+    "gemma2",
     "gemma3",
     "phi3",
     "mixtral",

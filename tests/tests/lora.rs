@@ -55,10 +55,11 @@ fn assert_logits(got: &Tensor, want: &Value, tol: f32, what: &str) {
 }
 
 /// The architectures with a PEFT adapter fixture (`scripts/make_lora_fixture.py`).
-const ARCHS: [&str; 7] = [
+const ARCHS: [&str; 8] = [
     "llama",
     "gpt2",
     "qwen3",
+    "gemma2",
     "gemma3",
     "phi3",
     "mixtral",

@@ -162,7 +162,7 @@ fn a_bf16_source_is_saved_in_bf16_and_a_model_from_scratch_in_fp32() {
 /// `from_pretrained` reads it), and loads back to transformers' logits.
 #[test]
 fn the_newer_architectures_save_folders_with_transformers_names() {
-    for name in ["qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe"] {
+    for name in ["qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("fixtures/hf")
             .join(name);

@@ -10,13 +10,14 @@ use accel_nn::{DeviceMapChoice, LoadDispatchOptions};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-pub const DECODERS: [&str; 10] = [
+pub const DECODERS: [&str; 11] = [
     "llama",
     "llama3",
     "mistral",
     "qwen2",
     "gpt2",
     "qwen3",
+    "gemma2",
     "gemma3",
     "phi3",
     "mixtral",
