@@ -46,11 +46,10 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
     )
     .unwrap();
     std::fs::create_dir(dir.join("src")).unwrap();
-    std::fs::copy(
-        repo.join("tests/user_crate/src/main.rs"),
-        dir.join("src/main.rs"),
-    )
-    .unwrap();
+    for file in std::fs::read_dir(repo.join("tests/user_crate/src")).unwrap() {
+        let file = file.unwrap().path();
+        std::fs::copy(&file, dir.join("src").join(file.file_name().unwrap())).unwrap();
+    }
     std::fs::copy(repo.join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let out = Command::new(cargo)
@@ -128,6 +127,18 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("qwen2_moe", "bf16", 55),
         ("falcon", "no", 16),
         ("falcon", "bf16", 16),
+        ("gemma", "no", 20),
+        ("gemma", "bf16", 20),
+        ("glm4", "no", 17),
+        ("glm4", "bf16", 17),
+        ("deepseek2", "no", 40),
+        ("deepseek2", "bf16", 40),
+        ("granite", "no", 21),
+        ("granite", "bf16", 21),
+        ("mamba", "no", 22),
+        ("mamba", "bf16", 22),
+        ("xlm_roberta", "no", 41),
+        ("xlm_roberta", "bf16", 41),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

@@ -1,6 +1,7 @@
 //! What a candle user writes: candle-transformers' BERT, DistilBERT and ModernBERT (with a
 //! classification head), Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma 2 and 3, Mixtral, Phi-3,
-//! Phi-2, StarCoder2, OLMo and OLMo 2, Helium, StableLM, Falcon and T5 (fresh), built
+//! Phi-2, StarCoder2, OLMo and OLMo 2, Helium, StableLM, Falcon and T5 (fresh), and (more.rs)
+//! Gemma, GLM-4, DeepSeek-V2, Granite, Mamba and XLM-RoBERTa, built
 //! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
 //! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
@@ -18,6 +19,11 @@ use candle_transformers::models::{
     phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2, t5,
 };
 use serde_json::json;
+
+mod more;
+
+/// A model's loss, built once, computed at each step.
+pub(crate) type Forward = Box<dyn Fn(&Accelerator) -> Result<Tensor>>;
 
 const STEPS: usize = 5;
 
@@ -40,7 +46,7 @@ fn llama_config() -> Result<llama::Config> {
 }
 
 /// The attention and MLP shapes the newer decoders share.
-fn decoder_json() -> serde_json::Value {
+pub(crate) fn decoder_json() -> serde_json::Value {
     json!({
         "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
@@ -50,7 +56,7 @@ fn decoder_json() -> serde_json::Value {
     })
 }
 
-fn with(mut base: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
+pub(crate) fn with(mut base: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
     for (k, v) in extra.as_object().unwrap() {
         base[k] = v.clone();
     }
@@ -58,7 +64,7 @@ fn with(mut base: serde_json::Value, extra: serde_json::Value) -> serde_json::Va
 }
 
 /// Loss on the last position's logits (`[b, 1, vocab]`) against `next`.
-fn last_loss(logits: Tensor, next: &Tensor) -> Result<Tensor> {
+pub(crate) fn last_loss(logits: Tensor, next: &Tensor) -> Result<Tensor> {
     let logits = logits.squeeze(1)?.to_dtype(DType::F32)?;
     Ok(candle_nn::loss::cross_entropy(&logits, next)?)
 }
@@ -72,7 +78,10 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
     let varmap = VarMap::new();
     let vb = acc.var_builder(&varmap);
     let ids = Tensor::new(&[[5u32, 9, 13, 21, 34, 2], [7, 11, 17, 29, 0, 0]], &dev)?;
-    let forward: Box<dyn Fn(&Accelerator) -> Result<Tensor>> = match which {
+    let forward: Forward = match which {
+        "gemma" | "glm4" | "deepseek2" | "granite" | "mamba" | "xlm_roberta" => {
+            more::forward(which, vb, &varmap, &dev)?.expect("built in more.rs")
+        }
         "bert" => {
             let model = bert::BertModel::load(vb.pp("bert"), &bert_config()?)?;
             let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
@@ -449,6 +458,12 @@ fn main() -> Result<()> {
         "phi",
         "qwen2_moe",
         "falcon",
+        "gemma",
+        "glm4",
+        "deepseek2",
+        "granite",
+        "mamba",
+        "xlm_roberta",
     ] {
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;

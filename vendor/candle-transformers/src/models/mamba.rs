@@ -141,7 +141,9 @@ impl MambaBlock {
             .unsqueeze(D::Minus1)?
             .broadcast_as((b_sz, self.d_inner, D_STATE))?;
         let a = a.broadcast_as((b_sz, self.d_inner, D_STATE))?;
-        let b = b.broadcast_as((b_sz, self.d_inner, D_STATE))?;
+        // accel-rs patch: `b` is [b_sz, D_STATE]; without the unsqueeze it broadcasts only at
+        // batch 1 (docs/design/candle-nn-patch.md).
+        let b = b.unsqueeze(1)?.broadcast_as((b_sz, self.d_inner, D_STATE))?;
         let proj_for_conv_b =
             proj_for_conv
                 .unsqueeze(D::Minus1)?
