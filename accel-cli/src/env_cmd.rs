@@ -18,6 +18,37 @@ pub struct EnvArgs {
     pub config_file: Option<PathBuf>,
 }
 
+/// What started this process and the ranks it implies (`mpirun`, `srun`,
+/// a launcher's `RANK`, or nothing), and where the job's secret comes from.
+fn process_engine() -> String {
+    let env = |k: &str| std::env::var(k).ok();
+    let d = match accel_core::dist::engine::detect(&env) {
+        Ok(d) => d,
+        Err(e) => return format!("unreadable: {e}"),
+    };
+    let get = |k: &str| d.lookup(k, &env).unwrap_or_else(|| "-".into());
+    let token = if env("ACCEL_JOB_TOKEN").is_some() {
+        "ACCEL_JOB_TOKEN"
+    } else if env("ACCEL_JOB_TOKEN_FILE").is_some() {
+        "ACCEL_JOB_TOKEN_FILE"
+    } else {
+        "none"
+    };
+    match (d.engine, env("RANK")) {
+        (accel_core::dist::engine::Engine::Launcher, None) => "none (a single process)".into(),
+        (engine, _) => format!(
+            "{}: rank {} of {}, local rank {} of {}, store {}:{}, job secret from {token}",
+            engine.name(),
+            get("RANK"),
+            get("WORLD_SIZE"),
+            get("LOCAL_RANK"),
+            get("LOCAL_WORLD_SIZE"),
+            get("MASTER_ADDR"),
+            get("MASTER_PORT"),
+        ),
+    }
+}
+
 /// The report `accel env` prints: one `- name: value` line per fact, then the
 /// config file's keys indented below it.
 ///
@@ -65,6 +96,7 @@ pub fn env_report(args: &EnvArgs) -> Result<String> {
         ("CUDA available", yes_no(is_cuda_available()).to_string()),
         ("NCCL available", yes_no(is_nccl_available()).to_string()),
         ("bf16 available", yes_no(is_bf16_available()).to_string()),
+        ("Process engine", process_engine()),
     ];
     let mut out = String::from("\nCopy-and-paste the text below in your bug report\n\n");
     for (name, value) in info {

@@ -366,3 +366,26 @@ fn a_json_file_written_by_python_accelerate_config_default_sets_the_launched_pre
         assert!(out.lines().any(|l| l.ends_with("mp=bf16")), "{out}");
     }
 }
+
+/// `accel env` says which engine started the process and the ranks it implies.
+#[test]
+fn env_reports_the_engine_that_started_the_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_ok(
+        accel(dir.path())
+            .arg("env")
+            .env("SLURM_PROCID", "1")
+            .env("SLURM_NTASKS", "4")
+            .env("SLURM_LOCALID", "1")
+            .env("SLURM_JOB_NODELIST", "node[07-08]")
+            .env("ACCEL_JOB_TOKEN_FILE", "/run/job.token")
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("MASTER_ADDR")
+            .env_remove("MASTER_PORT"),
+    );
+    assert!(
+        out.contains("- Process engine: Slurm srun: rank 1 of 4, local rank 1 of 4, store node07:29500, job secret from ACCEL_JOB_TOKEN_FILE"),
+        "{out}"
+    );
+}

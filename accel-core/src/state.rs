@@ -126,13 +126,21 @@ pub(crate) fn env_f64(var: &str) -> Result<Option<f64>> {
     }
 }
 
+/// A process variable: the environment's, else what the engine that started
+/// the process implies (`RANK` from `OMPI_COMM_WORLD_RANK` under mpirun,
+/// from `SLURM_PROCID` under srun, ...; see `accel_dist::engine`).
+pub(crate) fn process_var(var: &str) -> Result<Option<String>> {
+    let env = |k: &str| std::env::var(k).ok();
+    Ok(accel_dist::engine::detect(&env)?.lookup(var, &env))
+}
+
 pub(crate) fn env_usize(var: &str) -> Result<Option<usize>> {
-    match std::env::var(var) {
-        Ok(v) => v.trim().parse().map(Some).map_err(|_| Error::Config {
+    match process_var(var)? {
+        Some(v) => v.trim().parse().map(Some).map_err(|_| Error::Config {
             key: var.into(),
             reason: format!("{v:?} is not a non-negative integer"),
         }),
-        Err(_) => Ok(None),
+        None => Ok(None),
     }
 }
 

@@ -29,6 +29,7 @@ pub mod backend;
 mod buffer;
 mod communicator;
 pub mod ddp;
+pub mod engine;
 mod error;
 pub mod fsdp;
 mod group;

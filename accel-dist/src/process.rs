@@ -19,6 +19,9 @@ pub const ENV_MASTER_ADDR: &str = "MASTER_ADDR";
 pub const ENV_MASTER_PORT: &str = "MASTER_PORT";
 /// Secret shared by the processes of one job; connections without it are refused.
 pub const ENV_JOB_TOKEN: &str = "ACCEL_JOB_TOKEN";
+/// A file holding the job's secret (for engines that cannot pass variables
+/// safely); read when `ACCEL_JOB_TOKEN` is unset.
+pub const ENV_JOB_TOKEN_FILE: &str = "ACCEL_JOB_TOKEN_FILE";
 /// Collective and rendezvous timeout in seconds (fractions allowed).
 pub const ENV_TIMEOUT: &str = "ACCEL_DIST_TIMEOUT";
 /// `1` when a launcher hosts the store and rank 0 must not (torchrun's
@@ -153,6 +156,10 @@ impl ProcessGroupConfig {
     /// As [`from_env`](Self::from_env), reading variables through `lookup`
     /// (tests and launchers pass a map instead of mutating the environment).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        // mpirun's or srun's variables, in torchrun's names where those are unset.
+        let detected = crate::engine::detect(&lookup)?;
+        let engine = detected.engine;
+        let lookup = |var: &str| detected.lookup(var, &lookup);
         let mut cfg = Self::default();
         let rank = parse::<usize>(&lookup, ENV_RANK)?;
         let world = parse::<usize>(&lookup, ENV_WORLD_SIZE)?;
@@ -208,7 +215,7 @@ impl ProcessGroupConfig {
             }
             None => {}
         }
-        cfg.job_token = job_token(&lookup, distributed)?;
+        cfg.job_token = job_token(&lookup, distributed, engine)?;
         if let Some(secs) = parse::<f64>(&lookup, ENV_TIMEOUT)? {
             if !(secs.is_finite() && secs > 0.0) {
                 return Err(env_err(
@@ -318,8 +325,21 @@ fn env_err(var: &'static str, value: &str, reason: &str) -> Error {
 /// draws (a random UUID, in the workers' environment only). A multi-process
 /// job without either is refused: its store and peers would admit any
 /// local process.
-fn job_token(lookup: &impl Fn(&str) -> Option<String>, distributed: bool) -> Result<String> {
-    match lookup(ENV_JOB_TOKEN) {
+fn job_token(
+    lookup: &impl Fn(&str) -> Option<String>,
+    distributed: bool,
+    engine: crate::engine::Engine,
+) -> Result<String> {
+    let token = match (lookup(ENV_JOB_TOKEN), lookup(ENV_JOB_TOKEN_FILE)) {
+        (Some(t), _) => Some(t),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| env_err(ENV_JOB_TOKEN_FILE, &path, &format!("cannot be read: {e}")))?;
+            Some(text.trim().to_string())
+        }
+        (None, None) => None,
+    };
+    match token {
         Some(t) if t.is_empty() => Err(env_err(
             ENV_JOB_TOKEN,
             "",
@@ -327,14 +347,23 @@ fn job_token(lookup: &impl Fn(&str) -> Option<String>, distributed: bool) -> Res
              or use `accel launch`, which makes one)",
         )),
         Some(t) => Ok(t),
+        None if distributed && engine != crate::engine::Engine::Launcher => {
+            Err(Error::MissingEnv {
+                var: ENV_JOB_TOKEN,
+                reason: "ranks started by mpirun or srun need a secret shared by the job, so its \
+                     store and peers admit no other process: export ACCEL_JOB_TOKEN=<secret> \
+                     to every rank (mpirun -x ACCEL_JOB_TOKEN; srun --export=ALL), or \
+                     ACCEL_JOB_TOKEN_FILE=<a file every rank can read>",
+            })
+        }
         None => match lookup(ENV_TORCHELASTIC_RUN_ID) {
             Some(id) if distributed && is_uuid(&id) => Ok(format!("torchrun-{id}")),
             _ if distributed => Err(Error::MissingEnv {
                 var: ENV_JOB_TOKEN,
                 reason: "a multi-process job needs a secret shared by its ranks, so its store \
                          and peers admit no other process: `accel launch` makes one; with \
-                         torchrun, export the same ACCEL_JOB_TOKEN=<secret> to every rank or \
-                         use `torchrun --standalone`",
+                         torchrun, export the same ACCEL_JOB_TOKEN=<secret> (or \
+                         ACCEL_JOB_TOKEN_FILE=<path>) to every rank or use `torchrun --standalone`",
             }),
             _ => Ok(String::new()),
         },

@@ -116,8 +116,7 @@ impl Accelerator {
             state.distributed_type = DistributedType::Fsdp;
         }
         if std::env::var(accel_dist::affinity::ENV_CPU_AFFINITY).is_ok_and(|v| v == "1") {
-            let local_world = std::env::var("LOCAL_WORLD_SIZE")
-                .ok()
+            let local_world = crate::state::process_var("LOCAL_WORLD_SIZE")?
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(1);
             let cpus = accel_dist::affinity::set_numa_affinity(state.local_rank, local_world)?;
@@ -500,10 +499,7 @@ fn default_device() -> Result<Device> {
         // `accel launch --cpu` sets this, as Accelerate's launcher does.
         let force_cpu = std::env::var("ACCELERATE_USE_CPU").is_ok_and(|v| v == "true" || v == "1");
         if !force_cpu && candle_core::utils::cuda_is_available() {
-            let local_rank = std::env::var("LOCAL_RANK")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0);
+            let local_rank = crate::state::env_usize("LOCAL_RANK")?.unwrap_or(0);
             return Ok(accel_kernels::cuda_device(local_rank)?);
         }
     }
