@@ -106,6 +106,16 @@ fn zero_2_and_zero_3_offload_files_train_as_the_native_strategies() {
         assert_eq!(mapped["offload"], true, "{file}");
         assert_eq!(native["sharding"], strategy);
         assert_close(&losses(&mapped), &losses(&native), 1e-6, file);
+        // What ZeRO-2/3 promise: each rank keeps (and steps, and holds
+        // optimizer state for) about half of the parameters.
+        let (pieces, full) = (
+            mapped["pieces"].as_u64().unwrap(),
+            mapped["full"].as_u64().unwrap(),
+        );
+        assert!(
+            pieces * 2 >= full && pieces * 2 <= full + 256,
+            "{file}: rank 0 holds {pieces} of {full} parameters"
+        );
         assert!(
             losses(&mapped)[5] < losses(&mapped)[0],
             "{file}: {:?}",
@@ -227,6 +237,8 @@ fn an_accelerate_deepspeed_file_launches_as_the_fsdp_strategy_of_its_stage() {
         let (setup, mapped) = run(&ds);
         let (_, native) = run(&fsdp);
         assert_eq!(setup["sharding"]["strategy"], strategy, "{setup}");
+        // Gathered a decoder layer at a time, as DeepSpeed gathers module by module.
+        assert_eq!(setup["sharding"]["units"], 2, "{setup}");
         assert_close(
             &mapped,
             &native,

@@ -7,7 +7,6 @@ use serde_json::{json, Map, Value};
 
 use super::DeepSpeedConfig;
 use crate::accelerator::AcceleratorConfig;
-use crate::fsdp::FullyShardedDataParallelPlugin;
 use crate::{Error, Result};
 
 /// `ACCELERATE_USE_DEEPSPEED`: a DeepSpeed job.
@@ -117,10 +116,7 @@ pub(crate) fn apply(ds: &DeepSpeedConfig, config: &mut AcceleratorConfig) -> Res
         }
     }
     if let Some(strategy) = plan.sharding_strategy() {
-        config.fsdp = Some(
-            FullyShardedDataParallelPlugin::new(strategy)
-                .with_cpu_offload(plan.offload_optimizer || plan.offload_param),
-        );
+        config.fsdp = Some(super::zero_plugin(strategy, &plan));
     }
     if let Some(gas) = plan.gradient_accumulation_steps {
         let have = config.gradient_accumulation.num_steps;

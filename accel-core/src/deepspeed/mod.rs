@@ -336,6 +336,19 @@ impl DeepSpeedConfig {
     }
 }
 
+/// The FSDP plugin a ZeRO stage runs as: its strategy, CPU offload when
+/// either offload section asks for it, and each repeated block (the
+/// decoder layers) a unit, so that ZeRO-3 gathers a layer at a time as
+/// DeepSpeed gathers module by module.
+pub(crate) fn zero_plugin(
+    strategy: accel_dist::fsdp::ShardingStrategy,
+    plan: &DeepSpeedPlan,
+) -> crate::fsdp::FullyShardedDataParallelPlugin {
+    crate::fsdp::FullyShardedDataParallelPlugin::new(strategy)
+        .with_cpu_offload(plan.offload_optimizer || plan.offload_param)
+        .with_auto_wrap_policy(crate::fsdp::AutoWrapPolicy::Transformer { patterns: vec![] })
+}
+
 /// JSON equality with numbers compared as numbers (`1` equals `1.0`).
 fn same(a: &Value, b: &Value) -> bool {
     match (a, b) {

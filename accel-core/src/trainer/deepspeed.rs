@@ -4,7 +4,6 @@
 
 use crate::accelerator::AcceleratorConfig;
 use crate::deepspeed::{DeepSpeedConfig, DeepSpeedOptimizer, DeepSpeedPlan};
-use crate::fsdp::FullyShardedDataParallelPlugin;
 use crate::optim::{transformers_no_decay, AdamW, AdamWConfig, Optimizer, Sgd};
 use crate::scheduler::LrScheduler;
 use crate::Result;
@@ -12,9 +11,9 @@ use crate::Result;
 use super::TrainingArguments;
 
 /// The Accelerator settings of `plan`: the ZeRO stage as an FSDP strategy
-/// (the whole model one unit, as DeepSpeed gathers without a wrap policy),
-/// CPU offload, precision and the fp16 loss scale; each setting with no
-/// effect here said once at start-up.
+/// (each repeated block a unit: DeepSpeed gathers module by module, so the
+/// forward never holds the whole model), CPU offload, precision and the
+/// fp16 loss scale; each setting with no effect here said once at start-up.
 pub(super) fn apply(
     plan: &DeepSpeedPlan,
     mut config: AcceleratorConfig,
@@ -25,10 +24,7 @@ pub(super) fn apply(
         }
     }
     if let Some(strategy) = plan.sharding_strategy() {
-        config.fsdp = Some(
-            FullyShardedDataParallelPlugin::new(strategy)
-                .with_cpu_offload(plan.offload_optimizer || plan.offload_param),
-        );
+        config.fsdp = Some(crate::deepspeed::zero_plugin(strategy, plan));
     }
     if let Some(p) = plan.precision {
         config.mixed_precision = Some(p);

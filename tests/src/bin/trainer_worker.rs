@@ -69,6 +69,15 @@ fn main() -> Result<()> {
     if argv.iter().any(|a| a == "--save") {
         trainer.save_model(std::path::Path::new(&out).join("model"))?;
     }
+    // This rank's fp32 pieces (what the optimizer steps and keeps state for)
+    // against the whole model, gathered (every rank takes part).
+    let pieces = trainer.parameters().num_parameters();
+    let full: usize = trainer
+        .parameters()
+        .full_weights()?
+        .iter()
+        .map(|(_, t)| t.elem_count())
+        .sum();
     if trainer.accelerator().is_main_process() {
         let log = std::fs::read_to_string(std::path::Path::new(&out).join("run/metrics.jsonl"))?;
         let (mut losses, mut lrs) = (vec![], vec![]);
@@ -85,7 +94,7 @@ fn main() -> Result<()> {
         let offload = config.fsdp.as_ref().is_some_and(|p| p.cpu_offload);
         println!(
             "{}",
-            serde_json::json!({"losses": losses, "lrs": lrs, "sharding": sharding, "offload": offload, "world": trainer.accelerator().num_processes()})
+            serde_json::json!({"losses": losses, "lrs": lrs, "sharding": sharding, "offload": offload, "pieces": pieces, "full": full, "world": trainer.accelerator().num_processes()})
         );
     }
     Ok(())
