@@ -90,20 +90,31 @@ pub(crate) fn causal_attention(
     scale: f64,
 ) -> candle_core::Result<Tensor> {
     let t = q.dim(2)?;
-    let (k, v) = match &x.cache {
+    let (k, v) = cached(x, (k, v), window)?;
+    let mask = causal_mask(x, t, k.dim(2)?, window)?;
+    merge_heads(&ops::scaled_dot_product_attention(
+        &q, &k, &v, &mask, scale,
+    )?)
+}
+
+/// The keys and values appended to the activations' cache when there is
+/// one (a sliding layer's cache first cut to the `window - 1` positions its
+/// queries can still see, so it stops growing at the window).
+fn cached(
+    x: &Activations,
+    (k, v): (Tensor, Tensor),
+    window: Option<usize>,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    match &x.cache {
         Some(slot) => {
             let mut cache = slot.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(w) = window {
                 cache.keep_last(w.saturating_sub(1))?;
             }
-            cache.append(&k, &v)?
+            cache.append(&k, &v)
         }
-        None => (k, v),
-    };
-    let mask = causal_mask(x, t, k.dim(2)?, window)?;
-    merge_heads(&ops::scaled_dot_product_attention(
-        &q, &k, &v, &mask, scale,
-    )?)
+        None => Ok((k, v)),
+    }
 }
 
 /// [`causal_attention`] with Gemma 2's soft-capped scores: `tanh(s / cap) *
@@ -119,16 +130,7 @@ pub(crate) fn softcapped_attention(
     cap: f64,
 ) -> candle_core::Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
-    let (k, v) = match &x.cache {
-        Some(slot) => {
-            let mut cache = slot.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(w) = window {
-                cache.keep_last(w.saturating_sub(1))?;
-            }
-            cache.append(&k, &v)?
-        }
-        None => (k, v),
-    };
+    let (k, v) = cached(x, (k, v), window)?;
     let (kvh, s) = (k.dim(1)?, k.dim(2)?);
     // transformers' `repeat_kv`: query head i reads key/value head i / (h / kvh).
     let repeat = |x: &Tensor| -> candle_core::Result<Tensor> {

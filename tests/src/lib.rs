@@ -158,6 +158,17 @@ pub fn result_weights(path: &std::path::Path) -> Vec<(String, Vec<f32>)> {
         .collect()
 }
 
+/// Eight sequences of seven token ids within the test Llama's vocabulary of
+/// 128, written as a `--data-ids` file into `dir`.
+pub fn llama_ids_file(dir: &std::path::Path) -> std::path::PathBuf {
+    let rows: Vec<Vec<u32>> = (0..8u32)
+        .map(|r| (0..7).map(|k| (r * 37 + k * 11 + 1) % 128).collect())
+        .collect();
+    let path = dir.join("ids.json");
+    std::fs::write(&path, serde_json::to_string(&rows).unwrap()).unwrap();
+    path
+}
+
 /// The transformers-written checkpoint fixture `name` (`tests/fixtures/hf/NAME`).
 pub fn hf_fixture(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -14,12 +14,7 @@ const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
 
 /// Eight sequences of the test Llama's vocabulary.
 fn ids(dir: &Path) -> PathBuf {
-    let rows: Vec<Vec<u32>> = (0..8u32)
-        .map(|r| (0..7).map(|k| (r * 37 + k * 11 + 1) % 128).collect())
-        .collect();
-    let path = dir.join("ids.json");
-    std::fs::write(&path, serde_json::to_string(&rows).unwrap()).unwrap();
-    path
+    accel_tests::llama_ids_file(dir)
 }
 
 fn worker_args(dir: &Path) -> Vec<String> {

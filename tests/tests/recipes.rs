@@ -20,12 +20,7 @@ fn fixtures() -> PathBuf {
 
 /// Eight sequences of the test Llama's vocabulary.
 fn ids(dir: &Path) -> PathBuf {
-    let rows: Vec<Vec<u32>> = (0..8u32)
-        .map(|r| (0..7).map(|k| (r * 37 + k * 11 + 1) % 128).collect())
-        .collect();
-    let path = dir.join("ids.json");
-    std::fs::write(&path, serde_json::to_string(&rows).unwrap()).unwrap();
-    path
+    accel_tests::llama_ids_file(dir)
 }
 
 /// The worker at 2 ranks under `accel launch`; its JSON line.

@@ -3,6 +3,7 @@
 //! CPU has side by side and prints which one is the default), and forced per
 //! thread for such comparisons.
 
+use super::forced::{forced, with_forced};
 use super::raw::{amx, bf16_tile_available};
 
 /// How the linear layers multiply bf16 tensors on this CPU.
@@ -52,7 +53,7 @@ thread_local! {
 
 /// The path bf16 linear layers called on this thread take.
 pub fn bf16_path() -> Bf16Path {
-    FORCED.with(|f| f.get()).unwrap_or_else(|| {
+    forced(&FORCED).unwrap_or_else(|| {
         *Bf16Path::ALL
             .iter()
             .find(|p| p.available())
@@ -69,10 +70,7 @@ pub fn with_bf16_path<R>(path: Bf16Path, f: impl FnOnce() -> R) -> crate::Result
     if !path.available() {
         return Err(crate::Error::PathUnavailable { path: path.name() });
     }
-    let before = FORCED.with(|c| c.replace(Some(path)));
-    let r = f();
-    FORCED.with(|c| c.set(before));
-    Ok(r)
+    Ok(with_forced(&FORCED, path, f))
 }
 
 #[cfg(test)]

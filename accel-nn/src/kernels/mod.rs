@@ -31,6 +31,7 @@ mod attention_cuda;
 mod attention_packed;
 mod bf16_path;
 mod flash;
+mod forced;
 mod gemm_bf16;
 mod linear;
 mod linear_bf16;

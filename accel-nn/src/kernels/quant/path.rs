@@ -2,6 +2,7 @@
 //! CPU and forced per thread, so that `bench_quant` times the AVX2 kernels
 //! (what CPUs without AVX-512 run) beside the AVX-512 ones on one machine.
 
+use super::super::forced::{forced, with_forced};
 use super::super::raw::quant::Simd;
 
 /// The instruction set of the 4-bit products.
@@ -55,7 +56,7 @@ thread_local! {
 /// The path quantized linear layers called on this thread take: the widest
 /// this CPU has, unless forced.
 pub fn quant_path() -> QuantPath {
-    FORCED.with(|f| f.get()).unwrap_or_else(|| {
+    forced(&FORCED).unwrap_or_else(|| {
         *QuantPath::ALL
             .iter()
             .find(|p| p.available())
@@ -72,8 +73,5 @@ pub fn with_quant_path<R>(path: QuantPath, f: impl FnOnce() -> R) -> crate::Resu
     if !path.available() {
         return Err(crate::Error::PathUnavailable { path: path.name() });
     }
-    let before = FORCED.with(|c| c.replace(Some(path)));
-    let r = f();
-    FORCED.with(|c| c.set(before));
-    Ok(r)
+    Ok(with_forced(&FORCED, path, f))
 }

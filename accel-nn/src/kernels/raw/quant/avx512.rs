@@ -17,6 +17,24 @@ unsafe fn round_bits(v: core::arch::x86_64::__m512) -> core::arch::x86_64::__m51
     _mm512_and_si512(r, _mm512_set1_epi32(-65536))
 }
 
+/// Eight bytes at `p` as their sixteen values `codes[c] * s`, in the
+/// weight's element order (high nibble first).
+#[inline(always)]
+unsafe fn values(
+    p: *const u8,
+    lut: core::arch::x86_64::__m512,
+    scale: core::arch::x86_64::__m512,
+) -> core::arch::x86_64::__m512 {
+    use core::arch::x86_64::*;
+    let low = _mm_set1_epi8(0x0f);
+    let raw = _mm_loadl_epi64(p.cast());
+    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    let lo = _mm_and_si128(raw, low);
+    // hi0 lo0 hi1 lo1 ...: the element order of the flattened weight.
+    let idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, lo));
+    _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), scale)
+}
+
 /// `len` bytes (a multiple of 8) expanded to `2 * len` values, each
 /// `codes[c] * s`, rounded to bf16 when `round_bf16`.
 #[target_feature(enable = "avx512f")]
@@ -30,14 +48,8 @@ pub(super) unsafe fn span_f32(
     use core::arch::x86_64::*;
     let lut = _mm512_loadu_ps(codes.as_ptr());
     let scale = _mm512_set1_ps(s);
-    let low = _mm_set1_epi8(0x0f);
     for i in (0..len).step_by(8) {
-        let raw = _mm_loadl_epi64(bytes.add(i).cast());
-        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-        let lo = _mm_and_si128(raw, low);
-        // hi0 lo0 hi1 lo1 ...: the element order of the flattened weight.
-        let idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, lo));
-        let mut v = _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), scale);
+        let mut v = values(bytes.add(i), lut, scale);
         if round_bf16 {
             v = _mm512_castsi512_ps(round_bits(v));
         }
@@ -150,13 +162,8 @@ pub(super) unsafe fn span_pairs(
     use core::arch::x86_64::*;
     let lut = _mm512_loadu_ps(codes.as_ptr());
     let scale = _mm512_set1_ps(s);
-    let low = _mm_set1_epi8(0x0f);
     for i in (0..len).step_by(8) {
-        let raw = _mm_loadl_epi64(bytes.add(i).cast());
-        let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
-        let lo = _mm_and_si128(raw, low);
-        let idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, lo));
-        let v = _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), scale);
+        let v = values(bytes.add(i), lut, scale);
         // The upper halves narrowed to 16 bits: lanes 2i and 2i + 1 make pair i.
         let r = _mm512_srli_epi32(round_bits(v), 16);
         _mm256_storeu_si256(out.add(i).cast(), _mm512_cvtepi32_epi16(r));
