@@ -18,6 +18,9 @@
 //! # Ok::<(), accel_core::Error>(())
 //! ```
 
+/// Network-namespace hosts for the multi-machine tests.
+pub mod hosts;
+
 use accel_core::data::{DataLoader, TensorDataset};
 use accel_core::optim::{AdamW, AdamWConfig, PreparedOptimizer};
 use accel_core::scheduler::{LrScheduler, PreparedScheduler, Schedule};
