@@ -172,6 +172,27 @@ pub fn llama_ids_file(dir: &std::path::Path) -> std::path::PathBuf {
     path
 }
 
+/// `finetune_hf`'s flags for `steps` steps on the test Llama over the ids in
+/// `ids` (learning rate 1e-2, JSON lines out).
+pub fn finetune_hf_args(ids: &std::path::Path, steps: usize) -> Vec<String> {
+    let model = hf_fixture("llama").display().to_string();
+    let (ids, steps) = (ids.display().to_string(), steps.to_string());
+    [
+        "--model",
+        &model,
+        "--data-ids",
+        &ids,
+        "--steps",
+        &steps,
+        "--lr",
+        "1e-2",
+        "--json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
 /// The transformers-written checkpoint fixture `name` (`tests/fixtures/hf/NAME`).
 pub fn hf_fixture(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

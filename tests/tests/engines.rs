@@ -18,22 +18,7 @@ fn ids(dir: &Path) -> PathBuf {
 }
 
 fn worker_args(dir: &Path) -> Vec<String> {
-    let model = accel_tests::hf_fixture("llama").display().to_string();
-    let ids = ids(dir).display().to_string();
-    [
-        "--model",
-        &model,
-        "--data-ids",
-        &ids,
-        "--steps",
-        "4",
-        "--lr",
-        "1e-2",
-        "--json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    accel_tests::finetune_hf_args(&ids(dir), 4)
 }
 
 fn free_port() -> u16 {

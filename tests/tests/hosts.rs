@@ -15,22 +15,7 @@ const WORKER: &str = env!("CARGO_BIN_EXE_finetune_hf_worker");
 const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
 
 fn worker_args(ids: &std::path::Path, steps: usize) -> Vec<String> {
-    let model = accel_tests::hf_fixture("llama").display().to_string();
-    let (ids, steps) = (ids.display().to_string(), steps.to_string());
-    [
-        "--model",
-        &model,
-        "--data-ids",
-        &ids,
-        "--steps",
-        &steps,
-        "--lr",
-        "1e-2",
-        "--json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    accel_tests::finetune_hf_args(ids, steps)
 }
 
 macro_rules! hosts_or_skip {
