@@ -531,3 +531,28 @@ fn gradient_clipping_clips_at_every_step_as_an_explicit_call_does() {
     assert_eq!(auto, explicit);
     assert_ne!(auto, none, "the clip did not act");
 }
+
+/// `save_16bit_model` (DeepSpeed's `stage3_gather_16bit_weights_on_model_save`
+/// through `distributed_type: DEEPSPEED`): `save_model` writes the compute
+/// dtype; without it, the fp32 masters.
+#[test]
+fn save_16bit_model_writes_the_compute_dtype() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (sixteen, want) in [(false, DType::F32), (true, DType::BF16)] {
+        let mut config = AcceleratorConfig::default()
+            .with_seed(0)
+            .with_mixed_precision(PrecisionType::Bf16);
+        config.save_16bit_model = sixteen;
+        let mut a = acc(config);
+        let vm = VarMap::new();
+        let _ = candle_nn::linear_no_bias(4, 3, a.var_builder(&vm)).unwrap();
+        let model = a.prepare_model(&vm).unwrap();
+        let dir = tmp.path().join(format!("m{sixteen}"));
+        a.save_model(&model, &dir, "1GB").unwrap();
+        let loaded =
+            candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+        for (name, t) in loaded {
+            assert_eq!(t.dtype(), want, "{name} with save_16bit_model {sixteen}");
+        }
+    }
+}

@@ -457,9 +457,13 @@ impl Accelerator {
     /// Saves `model`'s fp32 weights for inference or sharing, as
     /// `model.safetensors`, or sharded `model-0000i-of-0000N.safetensors` plus
     /// `model.safetensors.index.json` when larger than `max_shard_size`
-    /// (e.g. `"10GB"`, `"500MiB"`, as Accelerate's `save_model`). The main
+    /// (e.g. `"10GB"`, `"500MiB"`, as Accelerate's `save_model`); in the
+    /// compute dtype under [`AcceleratorConfig::save_16bit_model`]
+    /// (DeepSpeed's `stage3_gather_16bit_weights_on_model_save`). The main
     /// process writes; every process must call it (a sharded model gathers
     /// its full weights first).
+    ///
+    /// [`AcceleratorConfig::save_16bit_model`]: crate::AcceleratorConfig::save_16bit_model
     pub fn save_model(
         &self,
         model: &PreparedModel,
@@ -467,7 +471,13 @@ impl Accelerator {
         max_shard_size: &str,
     ) -> Result<Vec<PathBuf>> {
         let limit = checkpoint::parse_size(max_shard_size)?;
-        let tensors = model.full_weights()?.into_iter().collect();
+        let mut tensors: std::collections::BTreeMap<String, candle_core::Tensor> =
+            model.full_weights()?.into_iter().collect();
+        if self.config.save_16bit_model {
+            for t in tensors.values_mut() {
+                *t = t.to_dtype(self.compute_dtype())?;
+            }
+        }
         let written = if self.is_main_process() {
             checkpoint::save_model(dir.as_ref(), &tensors, limit)
         } else {

@@ -113,6 +113,10 @@ pub struct AcceleratorConfig {
     /// without a call; set by `distributed_type: DEEPSPEED`). `None`: only
     /// where the loop calls `clip_grad_norm`.
     pub gradient_clipping: Option<f64>,
+    /// `save_model` writes the weights in the compute dtype, not fp32
+    /// (DeepSpeed's `stage3_gather_16bit_weights_on_model_save`, set by
+    /// `distributed_type: DEEPSPEED`'s `zero3_save_16bit_model`).
+    pub save_16bit_model: bool,
 }
 
 impl Default for AcceleratorConfig {
@@ -132,6 +136,7 @@ impl Default for AcceleratorConfig {
             init_kwargs: None,
             fsdp: None,
             gradient_clipping: None,
+            save_16bit_model: false,
         }
     }
 }

@@ -129,6 +129,7 @@ pub(crate) fn apply(ds: &DeepSpeedConfig, config: &mut AcceleratorConfig) -> Res
         config.gradient_accumulation.num_steps = gas;
     }
     config.gradient_clipping = plan.gradient_clipping.filter(|c| *c > 0.0);
+    config.save_16bit_model = plan.save_16bit_model;
     if let Some(scaler) = plan.scaler {
         config.scaler = scaler;
     }
