@@ -110,14 +110,7 @@ pub(crate) fn apply(ds: &DeepSpeedConfig, config: &mut AcceleratorConfig) -> Res
         }
     }
     let plan = trimmed.plan()?;
-    if crate::state::env_usize("RANK")?.unwrap_or(0) == 0 {
-        for n in notes.iter().chain(&plan.notices) {
-            crate::notice::warn(n);
-        }
-    }
-    if let Some(strategy) = plan.sharding_strategy() {
-        config.fsdp = Some(super::zero_plugin(strategy, &plan));
-    }
+    super::apply_zero(&plan, &notes, config)?;
     if let Some(gas) = plan.gradient_accumulation_steps {
         let have = config.gradient_accumulation.num_steps;
         if have != 1 && have != gas {
@@ -130,9 +123,6 @@ pub(crate) fn apply(ds: &DeepSpeedConfig, config: &mut AcceleratorConfig) -> Res
     }
     config.gradient_clipping = plan.gradient_clipping.filter(|c| *c > 0.0);
     config.save_16bit_model = plan.save_16bit_model;
-    if let Some(scaler) = plan.scaler {
-        config.scaler = scaler;
-    }
     if let (Some(p), None) = (plan.precision, config.mixed_precision) {
         let launcher = std::env::var(crate::config::ENV_MIXED_PRECISION).ok();
         if let Some(l) = launcher

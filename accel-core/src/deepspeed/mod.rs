@@ -336,17 +336,34 @@ impl DeepSpeedConfig {
     }
 }
 
-/// The FSDP plugin a ZeRO stage runs as: its strategy, CPU offload when
-/// either offload section asks for it, and each repeated block (the
-/// decoder layers) a unit, so that ZeRO-3 gathers a layer at a time as
-/// DeepSpeed gathers module by module.
-pub(crate) fn zero_plugin(
-    strategy: accel_dist::fsdp::ShardingStrategy,
+/// What the Trainer's and the launcher's paths apply alike: every line of
+/// `notes` and of the plan's own notices said once (rank 0), the ZeRO stage
+/// as its FSDP plugin (CPU offload when either offload section asks for
+/// it, each repeated block a unit, so that ZeRO-3 gathers a layer at a time
+/// as DeepSpeed gathers module by module), and the fp16 loss scale.
+pub(crate) fn apply_zero(
     plan: &DeepSpeedPlan,
-) -> crate::fsdp::FullyShardedDataParallelPlugin {
-    crate::fsdp::FullyShardedDataParallelPlugin::new(strategy)
-        .with_cpu_offload(plan.offload_optimizer || plan.offload_param)
-        .with_auto_wrap_policy(crate::fsdp::AutoWrapPolicy::Transformer { patterns: vec![] })
+    notes: &[String],
+    config: &mut crate::accelerator::AcceleratorConfig,
+) -> Result<()> {
+    if crate::state::env_usize("RANK")?.unwrap_or(0) == 0 {
+        for n in notes.iter().chain(&plan.notices) {
+            crate::notice::warn(n);
+        }
+    }
+    if let Some(strategy) = plan.sharding_strategy() {
+        config.fsdp = Some(
+            crate::fsdp::FullyShardedDataParallelPlugin::new(strategy)
+                .with_cpu_offload(plan.offload_optimizer || plan.offload_param)
+                .with_auto_wrap_policy(crate::fsdp::AutoWrapPolicy::Transformer {
+                    patterns: vec![],
+                }),
+        );
+    }
+    if let Some(scaler) = plan.scaler {
+        config.scaler = scaler;
+    }
+    Ok(())
 }
 
 /// JSON equality with numbers compared as numbers (`1` equals `1.0`).

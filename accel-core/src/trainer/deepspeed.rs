@@ -10,27 +10,17 @@ use crate::Result;
 
 use super::TrainingArguments;
 
-/// The Accelerator settings of `plan`: the ZeRO stage as an FSDP strategy
-/// (each repeated block a unit: DeepSpeed gathers module by module, so the
-/// forward never holds the whole model), CPU offload, precision and the
-/// fp16 loss scale; each setting with no effect here said once at start-up.
+/// The Accelerator settings of `plan`: [`crate::deepspeed::apply_zero`]'s
+/// (notices, the ZeRO stage as FSDP, the loss scale), then the precision and
+/// accumulation, which the arguments already agree with (a mismatch was an
+/// error when the file was filled).
 pub(super) fn apply(
     plan: &DeepSpeedPlan,
     mut config: AcceleratorConfig,
 ) -> Result<AcceleratorConfig> {
-    if crate::state::env_usize("RANK")?.unwrap_or(0) == 0 {
-        for n in &plan.notices {
-            crate::notice::warn(n);
-        }
-    }
-    if let Some(strategy) = plan.sharding_strategy() {
-        config.fsdp = Some(crate::deepspeed::zero_plugin(strategy, plan));
-    }
+    crate::deepspeed::apply_zero(plan, &[], &mut config)?;
     if let Some(p) = plan.precision {
         config.mixed_precision = Some(p);
-    }
-    if let Some(s) = plan.scaler {
-        config = config.with_scaler(s);
     }
     if let Some(gas) = plan.gradient_accumulation_steps {
         config = config.with_gradient_accumulation_steps(gas);
