@@ -83,6 +83,17 @@ fn pump<R: Read + Send + 'static>(
     })
 }
 
+/// Of the ranks found failed in one poll, the one that most likely failed
+/// first: a rank killed by a signal (its peers then lose their connections
+/// and exit with an error, often before the launcher looks again), else the
+/// lowest rank.
+fn root_cause(failed: Vec<(usize, ExitStatus)>) -> Option<(usize, ExitStatus)> {
+    use std::os::unix::process::ExitStatusExt;
+    failed
+        .into_iter()
+        .min_by_key(|(rank, status)| (status.signal().is_none(), *rank))
+}
+
 fn describe(status: ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
@@ -198,16 +209,16 @@ fn run_once(plan: &LaunchPlan, options: &RunOptions, restart: usize) -> Result<(
     let mut running: Vec<(usize, Child)> = children;
     while !running.is_empty() {
         let mut still = vec![];
+        let mut failed_now = vec![];
         for (rank, mut child) in running {
             match child.try_wait() {
-                Ok(Some(status)) => {
-                    if !status.success() && failure.is_none() {
-                        failure = Some((rank, status));
-                    }
-                }
-                Ok(None) => still.push((rank, child)),
-                Err(_) => still.push((rank, child)),
+                Ok(Some(status)) if !status.success() => failed_now.push((rank, status)),
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => still.push((rank, child)),
             }
+        }
+        if failure.is_none() {
+            failure = root_cause(failed_now);
         }
         running = still;
         if interrupted() && !running.is_empty() {
@@ -391,6 +402,20 @@ mod tests {
             assert_eq!(lines.lines().count(), 2 * starts, "max {max}: {lines}");
             assert!(lines.contains(&(starts - 1).to_string()));
         }
+    }
+
+    #[test]
+    fn a_killed_rank_is_named_over_the_peer_that_exited_after_it() {
+        // Both ranks are gone by the launcher's second look: rank 1 killed
+        // (SIGKILL), rank 0 exiting with an error just after, as a rank
+        // whose peer's connection closed does. Rank 1 is the cause.
+        let (p, mut options) = bash_job(
+            "if [ $RANK = 1 ]; then kill -9 $$; else sleep 0.2; exit 1; fi",
+            0,
+        );
+        options.monitor_interval = Duration::from_secs(2);
+        let err = run(&p, &options).unwrap_err().to_string();
+        assert!(err.contains("rank 1 failed with signal 9"), "{err}");
     }
 
     #[test]
