@@ -22,7 +22,7 @@ use candle_core::DType;
 
 use super::bf16_path::{bf16_path, Bf16Path};
 use super::raw::amx::{self, bf16_bits, HalfRef, OutLayout};
-use super::raw::{bf16_tile, bf16_tile_available, gemm_new, par, MatRef};
+use super::raw::{bf16_tile, bf16_tile_available, gemm_new, par, MatRef, TileA};
 pub(crate) use super::raw::{BF16_MR as MR, BF16_NR as NR};
 
 /// Pairs of `k` per block: a packed panel of `b` (128 bytes a pair) is then
@@ -146,7 +146,7 @@ fn avx512_new((m, n, k): (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32
         data: pack_b(&b, ks, n),
         pair_major: false,
     };
-    avx512_new_with((m, n, k), &pack_lhs, &pack_rhs)
+    avx512_new_with((m, n, k), Lhs::Pack(&pack_lhs), &pack_rhs)
 }
 
 /// Packs rows `i0..i0 + rows` and columns `k0..k0 + kc` of a product's left
@@ -183,12 +183,20 @@ pub(crate) fn gemm_new_bf16_packed(
     b: Packed<'_, '_>,
 ) -> Vec<f32> {
     let lhs;
-    let pack_lhs: &PackA = match a {
-        Packed::Lhs(f) => f,
+    let pack_lhs = match a {
+        Packed::Lhs(f) => Lhs::Pack(f),
+        Packed::LhsRows(rows) => {
+            assert!(
+                k.is_multiple_of(2) && rows.len() >= m * k / 2,
+                "rows in place: {m} x {k} pairs from {}",
+                rows.len()
+            );
+            Lhs::Rows(rows)
+        }
         Packed::Matrix(a) => {
             a.check(m, k, "lhs");
             lhs = move |i0, rows, ks| pack_a(&a, i0, rows, ks);
-            &lhs
+            Lhs::Pack(&lhs)
         }
         Packed::Rhs(_) => panic!("a right operand's packer given for the left"),
     };
@@ -203,7 +211,9 @@ pub(crate) fn gemm_new_bf16_packed(
             };
             &rhs
         }
-        Packed::Lhs(_) => panic!("a left operand's packer given for the right"),
+        Packed::Lhs(_) | Packed::LhsRows(_) => {
+            panic!("a left operand given for the right")
+        }
     };
     avx512_new_with((m, n, k), pack_lhs, pack_rhs)
 }
@@ -214,6 +224,9 @@ pub(crate) enum Packed<'a, 'f> {
     Matrix(MatRef<'a>),
     /// The left operand's packer.
     Lhs(&'f PackA<'f>),
+    /// The left operand's rows as pairs in place (`[m][k / 2]`, `k` even):
+    /// a bf16 weight read as it lies, no packing pass (see [`TileA::Rows`]).
+    LhsRows(&'a [u32]),
     /// The right operand's packer.
     Rhs(&'f PackB<'f>),
 }
@@ -226,8 +239,36 @@ fn task_rows(m: usize) -> usize {
     per * MR
 }
 
+/// Where [`avx512_new_with`] takes its left operand's tiles from.
+#[derive(Clone, Copy)]
+enum Lhs<'a, 'f> {
+    /// Packed a task's rows at a time.
+    Pack(&'f PackA<'f>),
+    /// Rows of pairs in place, `[m][k / 2]`.
+    Rows(&'a [u32]),
+}
+
+/// Rows `r0..r0 + rows` (fewer than a tile) of `a` (`[m][ld]` pairs) from
+/// pair `p0`, `pairs` of them, as a zero-padded `[pairs][MR]` panel.
+fn panel_of_rows(
+    a: &[u32],
+    ld: usize,
+    r0: usize,
+    rows: usize,
+    (p0, pairs): (usize, usize),
+) -> Vec<u32> {
+    let mut out = vec![0u32; pairs * MR];
+    for r in 0..rows {
+        let src = &a[(r0 + r) * ld + p0..][..pairs];
+        for (dst, &v) in out[r..].iter_mut().step_by(MR).zip(src) {
+            *dst = v;
+        }
+    }
+    out
+}
+
 /// [`avx512_new`] with both operands' packers given.
-fn avx512_new_with((m, n, k): (usize, usize, usize), pack_a: &PackA, pack_b: &PackB) -> Vec<f32> {
+fn avx512_new_with((m, n, k): (usize, usize, usize), lhs: Lhs, pack_b: &PackB) -> Vec<f32> {
     if m == 0 || n == 0 {
         return Vec::new();
     }
@@ -253,18 +294,36 @@ fn avx512_new_with((m, n, k): (usize, usize, usize), pack_a: &PackA, pack_b: &Pa
         };
         par::chunks_mut(&mut c, mc * n, |t, c| {
             let rows = c.len() / n;
-            let ap = pack_a(t * mc, rows, (k0, kc));
-            assert!(
-                ap.len() >= rows.div_ceil(MR) * pairs * MR,
-                "packed lhs is short"
-            );
+            let tiles = rows.div_ceil(MR);
+            let packed = match lhs {
+                Lhs::Pack(pack_a) => pack_a(t * mc, rows, (k0, kc)),
+                Lhs::Rows(a) => {
+                    // Only a tile short of `MR` rows (the last) is packed.
+                    let short = rows % MR;
+                    let r0 = t * mc + rows - short;
+                    match short {
+                        0 => Vec::new(),
+                        _ => panel_of_rows(a, k / 2, r0, short, (k0 / 2, pairs)),
+                    }
+                }
+            };
+            let a_tile = |s: usize| match lhs {
+                Lhs::Pack(_) => TileA::Panel(&packed[s * pairs * MR..][..pairs * MR]),
+                Lhs::Rows(a) if (s + 1) * MR <= rows => {
+                    TileA::Rows(&a[(t * mc + s * MR) * (k / 2) + k0 / 2..], k / 2)
+                }
+                Lhs::Rows(_) => TileA::Panel(&packed),
+            };
+            if let Lhs::Pack(_) = lhs {
+                assert!(packed.len() >= tiles * pairs * MR, "packed lhs is short");
+            }
             for q in 0..panels {
                 let j0 = q * NR;
                 let bq = panel(q);
-                for (s, aq) in ap.chunks(pairs * MR).enumerate() {
+                for s in 0..tiles {
                     let r0 = s * MR;
                     let tile = (MR.min(rows - r0), NR.min(n - j0));
-                    bf16_tile(pairs, aq, bq, &mut c[r0 * n + j0..], n, tile, k0 > 0);
+                    bf16_tile(pairs, a_tile(s), bq, &mut c[r0 * n + j0..], n, tile, k0 > 0);
                 }
             }
         });

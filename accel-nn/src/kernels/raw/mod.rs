@@ -279,14 +279,26 @@ pub(crate) fn bf16_tile_available() -> bool {
     false
 }
 
+/// The left operand of a [`bf16_tile`]: each `u32` holds two bf16 values
+/// (consecutive `k`, the lower one first).
+#[derive(Clone, Copy)]
+pub(crate) enum TileA<'a> {
+    /// A packed panel, `[pairs][BF16_MR]`.
+    Panel(&'a [u32]),
+    /// `BF16_MR` rows in place, row `r`'s pair `p` at `[r * ld + p]`: a
+    /// bf16 weight `[out, in]` read as it lies, with no packing pass. Every
+    /// one of the `BF16_MR` rows is read (rows past the tile's are
+    /// computed and dropped), so the slice must hold them all.
+    Rows(&'a [u32], usize),
+}
+
 /// One tile of a bf16 matrix product with f32 sums:
-/// `c[r * ldc + j] (+)= sum_p a[p][r] . b[p][j]` for `r < rows`, `j < cols`,
-/// over `pairs` steps `p`, where each `u32` of the packed panels holds two
-/// bf16 values (consecutive `k`, the lower one first), `a` as
-/// `[pairs][BF16_MR]` and `b`'s `BF16_NR` values of pair `p` at
-/// `b[p * ldb..]` (`ldb` = `BF16_NR` for a panel of its own; wider when the
-/// panels of one pair lie side by side). `accumulate` adds to what `c`
-/// holds, else overwrites it.
+/// `c[r * ldc + j] (+)= sum_p a(p, r) . b[p][j]` for `r < rows`, `j < cols`,
+/// over `pairs` steps `p`, where each `u32` holds two bf16 values
+/// (consecutive `k`, the lower one first), `a` as [`TileA`] lays it out and
+/// `b`'s `BF16_NR` values of pair `p` at `b[p * ldb..]` (`ldb` = `BF16_NR`
+/// for a panel of its own; wider when the panels of one pair lie side by
+/// side). `accumulate` adds to what `c` holds, else overwrites it.
 ///
 /// # Panics
 /// When the CPU lacks AVX-512 BF16 (see [`bf16_tile_available`]), or a
@@ -294,7 +306,7 @@ pub(crate) fn bf16_tile_available() -> bool {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn bf16_tile(
     pairs: usize,
-    a: &[u32],
+    a: TileA,
     (b, ldb): (&[u32], usize),
     c: &mut [f32],
     ldc: usize,
@@ -309,10 +321,12 @@ pub(crate) fn bf16_tile(
         rows <= BF16_MR && cols <= BF16_NR && cols <= ldc,
         "bf16_tile: a {rows} x {cols} tile (at most {BF16_MR} x {BF16_NR}) with row stride {ldc}"
     );
+    let a_fits = match a {
+        TileA::Panel(a) => a.len() >= pairs * BF16_MR,
+        TileA::Rows(a, ld) => pairs == 0 || (ld >= pairs && a.len() >= (BF16_MR - 1) * ld + pairs),
+    };
     assert!(
-        ldb >= BF16_NR
-            && a.len() >= pairs * BF16_MR
-            && (pairs == 0 || b.len() >= (pairs - 1) * ldb + BF16_NR),
+        ldb >= BF16_NR && a_fits && (pairs == 0 || b.len() >= (pairs - 1) * ldb + BF16_NR),
         "bf16_tile: short panel"
     );
     if rows == 0 || cols == 0 {
@@ -325,30 +339,62 @@ pub(crate) fn bf16_tile(
     );
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the CPU has AVX-512F and AVX512-BF16 (asserted above); the
-    // kernel reads `pairs * BF16_MR` u32 of `a` and `BF16_NR` of `b` at
-    // `p * ldb` for `p < pairs` (both checked) and touches `c[r * ldc + j]`
+    // kernel reads `a(p, r)` for `p < pairs`, `r < BF16_MR` (at `p * BF16_MR
+    // + r` of a panel, `r * ld + p` of rows: both checked), `BF16_NR` u32 of
+    // `b` at `p * ldb` for `p < pairs` (checked) and touches `c[r * ldc + j]`
     // for `r < rows`, `j < cols` only (masked loads and stores; checked above).
     unsafe {
-        bf16_tile_avx512(
-            pairs,
-            a.as_ptr(),
-            (b.as_ptr(), ldb),
-            c.as_mut_ptr(),
-            ldc,
-            (rows, cols),
-            accumulate,
-        )
+        let b = (b.as_ptr(), ldb);
+        let c_tile = (c.as_mut_ptr(), ldc);
+        match a {
+            TileA::Panel(a) => {
+                bf16_tile_avx512_panel(pairs, a.as_ptr(), b, c_tile, (rows, cols), accumulate)
+            }
+            TileA::Rows(a, ld) => {
+                bf16_tile_avx512_rows(pairs, (a.as_ptr(), ld), b, c_tile, (rows, cols), accumulate)
+            }
+        }
     }
 }
 
+/// [`bf16_tile_avx512`] on a packed panel (strides known here, so the
+/// addresses are immediates).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn bf16_tile_avx512(
+unsafe fn bf16_tile_avx512_panel(
     pairs: usize,
     a: *const u32,
+    b: (*const u32, usize),
+    c: (*mut f32, usize),
+    tile: (usize, usize),
+    accumulate: bool,
+) {
+    bf16_tile_avx512(pairs, (a, BF16_MR, 1), b, c, tile, accumulate)
+}
+
+/// [`bf16_tile_avx512`] on rows in place.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn bf16_tile_avx512_rows(
+    pairs: usize,
+    (a, ld): (*const u32, usize),
+    b: (*const u32, usize),
+    c: (*mut f32, usize),
+    tile: (usize, usize),
+    accumulate: bool,
+) {
+    bf16_tile_avx512(pairs, (a, 1, ld), b, c, tile, accumulate)
+}
+
+/// The tile's body: `a(p, r)` at `a[p * step + r * row]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn bf16_tile_avx512(
+    pairs: usize,
+    (a, step, row): (*const u32, usize, usize),
     (b, ldb): (*const u32, usize),
-    c: *mut f32,
-    ldc: usize,
+    (c, ldc): (*mut f32, usize),
     (rows, cols): (usize, usize),
     accumulate: bool,
 ) {
@@ -376,9 +422,9 @@ unsafe fn bf16_tile_avx512(
     for p in 0..pairs {
         let b0: __m512bh = core::mem::transmute(_mm512_loadu_si512(b.add(p * ldb).cast()));
         let b1: __m512bh = core::mem::transmute(_mm512_loadu_si512(b.add(p * ldb + 16).cast()));
-        let ap = a.add(p * BF16_MR);
+        let ap = a.add(p * step);
         for (r, acc) in acc.iter_mut().enumerate() {
-            let x: __m512bh = core::mem::transmute(_mm512_set1_epi32(*ap.add(r) as i32));
+            let x: __m512bh = core::mem::transmute(_mm512_set1_epi32(*ap.add(r * row) as i32));
             acc[0] = _mm512_dpbf16_ps(acc[0], x, b0);
             acc[1] = _mm512_dpbf16_ps(acc[1], x, b1);
         }
