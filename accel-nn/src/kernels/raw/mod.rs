@@ -436,6 +436,63 @@ unsafe fn bf16_tile_avx512(
     }
 }
 
+/// `dst[r] = lo[r] | hi[r] << 16` for `r < lo.len()` (`hi` zero where
+/// absent), zero for the rest of `dst`: two rows of a bf16 matrix as the
+/// pairs [`bf16_tile`] reads, one panel row at a time (at most 16 values).
+///
+/// # Panics
+/// When `lo` is longer than 16 or than `dst`, or `hi` is shorter than `lo`.
+pub(crate) fn pair_rows(lo: &[u16], hi: Option<&[u16]>, dst: &mut [u32]) {
+    let live = lo.len();
+    assert!(
+        live <= 16 && live <= dst.len() && hi.is_none_or(|h| h.len() >= live),
+        "pair_rows: {live} values into {}",
+        dst.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    if dst.len() <= 16 && avx512_bw_vl() {
+        // SAFETY: the CPU has AVX-512 F, BW and VL (checked); the masked
+        // loads read `live` values of `lo` and `hi` (both at least that
+        // long, asserted) and the masked store writes `dst.len()` (<= 16).
+        unsafe { pair_rows_avx512(lo.as_ptr(), hi.map(<[u16]>::as_ptr), live, dst) };
+        return;
+    }
+    for (r, d) in dst.iter_mut().enumerate() {
+        *d = match (lo.get(r), hi) {
+            (Some(&l), Some(h)) => u32::from(l) | (u32::from(h[r]) << 16),
+            (Some(&l), None) => u32::from(l),
+            (None, _) => 0,
+        };
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_bw_vl() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn pair_rows_avx512(lo: *const u16, hi: Option<*const u16>, live: usize, dst: &mut [u32]) {
+    use core::arch::x86_64::*;
+    let mask = ((1u32 << live) - 1) as __mmask16;
+    let lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, lo.cast()));
+    let pairs = match hi {
+        Some(hi) => {
+            let hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, hi.cast()));
+            _mm512_or_si512(lo, _mm512_slli_epi32::<16>(hi))
+        }
+        None => lo,
+    };
+    let all = ((1u32 << dst.len()) - 1) as __mmask16;
+    _mm512_mask_storeu_epi32(dst.as_mut_ptr().cast(), all, pairs);
+}
+
 /// Below this many flops a gemm runs on the calling thread.
 const PAR_MIN_FLOPS: usize = 1 << 20;
 
