@@ -145,6 +145,7 @@ fn avx512_new((m, n, k): (usize, usize, usize), a: MatRef, b: MatRef) -> Vec<f32
     let pack_rhs = |ks| PackedB {
         data: pack_b(&b, ks, n),
         pair_major: false,
+        reused: false,
     };
     avx512_new_with((m, n, k), Lhs::Pack(&pack_lhs), &pack_rhs)
 }
@@ -166,6 +167,32 @@ pub(crate) struct PackedB {
     /// side (what a packer writing a whole pair of rows at once makes),
     /// instead of `[panels][pairs][NR]`.
     pub pair_major: bool,
+    /// Whether `data` is this thread's packing buffer, given back on drop.
+    pub reused: bool,
+}
+
+impl PackedB {
+    /// A pair-major block of at least `len` pairs in this thread's reused
+    /// packing buffer (given back when dropped; it may be longer). Its
+    /// contents are stale: the packer writes every pair of `..len`, padding
+    /// included. (A fresh zeroed block per call was a tenth of a QLoRA
+    /// step's CPU time in `memset`.)
+    pub(crate) fn reused(len: usize) -> Self {
+        let data = amx::take_pack_buffer(len);
+        Self {
+            data,
+            pair_major: true,
+            reused: true,
+        }
+    }
+}
+
+impl Drop for PackedB {
+    fn drop(&mut self) {
+        if self.reused {
+            amx::keep_pack_buffer(std::mem::take(&mut self.data));
+        }
+    }
 }
 
 /// `c [m, n] = a [m, k] @ b [k, n]` with bf16 operands and f32 sums (as
@@ -185,6 +212,7 @@ pub(crate) fn gemm_new_bf16_packed(
     let lhs;
     let pack_lhs = match a {
         Packed::Lhs(f) => Lhs::Pack(f),
+        Packed::LhsPackedRows(f) => Lhs::PackRows(f),
         Packed::LhsRows(rows) => {
             assert!(
                 k.is_multiple_of(2) && rows.len() >= m * k / 2,
@@ -208,10 +236,11 @@ pub(crate) fn gemm_new_bf16_packed(
             rhs = move |ks| PackedB {
                 data: pack_b(&b, ks, n),
                 pair_major: false,
+                reused: false,
             };
             &rhs
         }
-        Packed::Lhs(_) | Packed::LhsRows(_) => {
+        Packed::Lhs(_) | Packed::LhsRows(_) | Packed::LhsPackedRows(_) => {
             panic!("a left operand given for the right")
         }
     };
@@ -227,6 +256,11 @@ pub(crate) enum Packed<'a, 'f> {
     /// The left operand's rows as pairs in place (`[m][k / 2]`, `k` even):
     /// a bf16 weight read as it lies, no packing pass (see [`TileA::Rows`]).
     LhsRows(&'a [u32]),
+    /// The left operand's packer writing a task's rows row by row
+    /// (`[rows rounded up to MR][pairs]`, each row's pairs contiguous, the
+    /// rows past the task's zero): for a packer that makes a row at a time
+    /// (a quantized weight's codes), with no scatter into panels.
+    LhsPackedRows(&'f PackA<'f>),
     /// The right operand's packer.
     Rhs(&'f PackB<'f>),
 }
@@ -242,8 +276,10 @@ fn task_rows(m: usize) -> usize {
 /// Where [`avx512_new_with`] takes its left operand's tiles from.
 #[derive(Clone, Copy)]
 enum Lhs<'a, 'f> {
-    /// Packed a task's rows at a time.
+    /// Packed a task's rows at a time, into panels.
     Pack(&'f PackA<'f>),
+    /// Packed a task's rows at a time, row by row.
+    PackRows(&'f PackA<'f>),
     /// Rows of pairs in place, `[m][k / 2]`.
     Rows(&'a [u32]),
 }
@@ -279,10 +315,8 @@ fn avx512_new_with((m, n, k): (usize, usize, usize), lhs: Lhs, pack_b: &PackB) -
     for k0 in (0..k).step_by(2 * KC_PAIRS) {
         let kc = (2 * KC_PAIRS).min(k - k0);
         let pairs = kc.div_ceil(2);
-        let PackedB {
-            data: bp,
-            pair_major,
-        } = pack_b((k0, kc));
+        let packed_b = pack_b((k0, kc));
+        let (bp, pair_major) = (&packed_b.data, packed_b.pair_major);
         assert!(bp.len() >= panels * pairs * NR, "packed rhs is short");
         // Where panel `q` starts and the stride between its pairs.
         let panel = |q: usize| {
@@ -296,7 +330,7 @@ fn avx512_new_with((m, n, k): (usize, usize, usize), lhs: Lhs, pack_b: &PackB) -
             let rows = c.len() / n;
             let tiles = rows.div_ceil(MR);
             let packed = match lhs {
-                Lhs::Pack(pack_a) => pack_a(t * mc, rows, (k0, kc)),
+                Lhs::Pack(pack_a) | Lhs::PackRows(pack_a) => pack_a(t * mc, rows, (k0, kc)),
                 Lhs::Rows(a) => {
                     // Only a tile short of `MR` rows (the last) is packed.
                     let short = rows % MR;
@@ -309,12 +343,13 @@ fn avx512_new_with((m, n, k): (usize, usize, usize), lhs: Lhs, pack_b: &PackB) -
             };
             let a_tile = |s: usize| match lhs {
                 Lhs::Pack(_) => TileA::Panel(&packed[s * pairs * MR..][..pairs * MR]),
+                Lhs::PackRows(_) => TileA::Rows(&packed[s * MR * pairs..], pairs),
                 Lhs::Rows(a) if (s + 1) * MR <= rows => {
                     TileA::Rows(&a[(t * mc + s * MR) * (k / 2) + k0 / 2..], k / 2)
                 }
                 Lhs::Rows(_) => TileA::Panel(&packed),
             };
-            if let Lhs::Pack(_) = lhs {
+            if let Lhs::Pack(_) | Lhs::PackRows(_) = lhs {
                 assert!(packed.len() >= tiles * pairs * MR, "packed lhs is short");
             }
             for q in 0..panels {

@@ -17,22 +17,20 @@ pub(super) fn available() -> bool {
 /// `y [n, out] = x [n, inp] @ W^T`, operands rounded to bf16.
 pub(super) fn forward(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
     let (out, inp) = w.dims();
-    // yT [out, n] = W [out, inp] @ x^T [inp, n]: W's rows packed from codes.
+    // yT [out, n] = W [out, inp] @ x^T [inp, n]: a task's rows of W decoded
+    // from the codes, each row's pairs where the microkernel reads them
+    // (scattering them into panels cost a fifth of the forward).
     let pack = |i0: usize, rows: usize, (k0, kc): (usize, usize)| {
         let pairs = kc.div_ceil(2);
-        let mut panels = vec![0u32; rows.div_ceil(MR) * pairs * MR];
-        let (mut scratch, mut row_pairs) = (Vec::new(), vec![0u32; pairs]);
-        for r in 0..rows {
-            dequant::row_pairs(w, i0 + r, (k0, kc), &mut row_pairs, &mut scratch);
-            let panel = &mut panels[r / MR * pairs * MR..][..pairs * MR];
-            for (dst, &v) in panel[r % MR..].iter_mut().step_by(MR).zip(&row_pairs) {
-                *dst = v;
-            }
+        let mut decoded = vec![0u32; rows.div_ceil(MR) * MR * pairs];
+        let mut scratch = Vec::new();
+        for (r, row) in decoded.chunks_mut(pairs).take(rows).enumerate() {
+            dequant::row_pairs(w, i0 + r, (k0, kc), row, &mut scratch);
         }
-        panels
+        decoded
     };
     let x_t = Packed::Matrix(MatRef::rows_t(x, 0, inp));
-    let yt = gemm_new_bf16_packed((out, n, inp), Packed::Lhs(&pack), x_t);
+    let yt = gemm_new_bf16_packed((out, n, inp), Packed::LhsPackedRows(&pack), x_t);
     transpose(&yt, out, n)
 }
 
@@ -46,25 +44,28 @@ pub(super) fn backward_input(dy: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
     let pack = |(k0, kc): (usize, usize)| {
         let pairs = kc.div_ceil(2);
         let rows_per_task = (PAIR_ROWS_PER_TASK).min(pairs).max(1);
-        // Zeroed and packed chunk by chunk in parallel.
-        let data = par::new_vec(pairs * width, rows_per_task * width, |t, chunk| {
-            let (mut a, mut b) = (vec![0f32; inp], vec![0f32; inp]);
-            for (i, dst) in chunk.chunks_mut(width).enumerate() {
-                let p = t * rows_per_task + i;
-                let o = k0 + 2 * p;
-                dequant::tile(w, (o, 1), (0, inp), &mut a, inp);
-                if 2 * p + 1 < kc {
-                    dequant::tile(w, (o + 1, 1), (0, inp), &mut b, inp);
-                } else {
-                    b.fill(0.0);
+        let mut packed = PackedB::reused(pairs * width);
+        par::chunks_mut(
+            &mut packed.data[..pairs * width],
+            rows_per_task * width,
+            |t, chunk| {
+                let (mut a, mut b) = (vec![0f32; inp], vec![0f32; inp]);
+                for (i, dst) in chunk.chunks_mut(width).enumerate() {
+                    let p = t * rows_per_task + i;
+                    let o = k0 + 2 * p;
+                    dequant::tile(w, (o, 1), (0, inp), &mut a, inp);
+                    if 2 * p + 1 < kc {
+                        dequant::tile(w, (o + 1, 1), (0, inp), &mut b, inp);
+                    } else {
+                        b.fill(0.0);
+                    }
+                    let (pairs, padding) = dst.split_at_mut(inp);
+                    super::super::raw::quant::pair_rows(Simd::Avx512, &a, &b, pairs);
+                    padding.fill(0);
                 }
-                super::super::raw::quant::pair_rows(Simd::Avx512, &a, &b, &mut dst[..inp]);
-            }
-        });
-        PackedB {
-            data,
-            pair_major: true,
-        }
+            },
+        );
+        packed
     };
     let dy_rows = Packed::Matrix(MatRef::rows(dy, 0, out));
     gemm_new_bf16_packed((n, inp, out), dy_rows, Packed::Rhs(&pack))

@@ -34,10 +34,8 @@ mod pack;
 mod tests;
 mod tile;
 
-use pack::{
-    a_in_place, a_rows, keep_pack_buffer, pack_a_rows, pack_b_step, take_pack_buffer, PackedB,
-    STEP_U32,
-};
+use pack::{a_in_place, a_rows, pack_a_rows, pack_b_step, PackedB, STEP_U32};
+pub(crate) use pack::{keep_pack_buffer, take_pack_buffer};
 use tile::{with_tiles, Job};
 
 /// Rows and columns of the block of `c` one kernel call computes.

@@ -41,7 +41,7 @@ const KEPT_BUFFER_BYTES: usize = 16 << 20;
 /// This thread's packing buffer, at least `len` long. Its contents are
 /// stale: the packers write every slot they hand to the kernel. It keeps its
 /// longest length, so that no call zero-fills more than it grows.
-pub(super) fn take_pack_buffer(len: usize) -> Vec<u32> {
+pub(crate) fn take_pack_buffer(len: usize) -> Vec<u32> {
     let mut buf = PACK_BUFFER.with(|b| b.take());
     if buf.len() < len {
         buf.resize(len, 0);
@@ -51,7 +51,7 @@ pub(super) fn take_pack_buffer(len: usize) -> Vec<u32> {
 
 /// Gives a buffer from [`take_pack_buffer`] back to this thread, unless it
 /// is past [`KEPT_BUFFER_BYTES`].
-pub(super) fn keep_pack_buffer(buf: Vec<u32>) {
+pub(crate) fn keep_pack_buffer(buf: Vec<u32>) {
     if 4 * buf.capacity() <= KEPT_BUFFER_BYTES {
         PACK_BUFFER.with(|b| b.set(buf));
     }
