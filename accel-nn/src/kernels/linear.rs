@@ -9,7 +9,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Tensor};
 
 pub(crate) use super::act::Act;
 use super::act::{copy_backward, forward_new};
@@ -17,8 +17,8 @@ use super::gemm_bf16::{self, bf16_products, keep_bf16, product_of};
 use super::raw::amx::{HalfRef, Values};
 use super::raw::{gemm, gemm_new, par, MatRef};
 use super::{
-    as_bf16, as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, with_bf16,
-    with_f32, with_values, CHUNK,
+    as_bf16, as_f32, from_f32, rows_per_reduction, sum_in_order, tensor_from_f32, to_bf16,
+    with_bf16, with_f32, with_values, CHUNK,
 };
 use super::{linear_bf16, skinny};
 
@@ -94,8 +94,14 @@ impl LinearOp {
             None => match as_bf16(w.0, w.1) {
                 // bf16 weights on AVX-512 BF16 without AMX: packed as they lie.
                 Some(ws) if bf16 && n >= linear_bf16::MIN_ROWS && linear_bf16::available() => {
-                    let xs = as_f32(x.0, x.1)?;
-                    plus_bias(linear_bf16::forward(&xs, n, ws, out, inp), b, out)?
+                    let xs = linear_bf16::Rows::Bf16(as_bf16(x.0, x.1).expect("bf16 x"));
+                    if b.is_none() && matches!(self.act, Act::None) {
+                        // Rounded to the bf16 output as the product is
+                        // transposed, with no f32 copy of it.
+                        let y = linear_bf16::forward_as(xs, n, ws, (out, inp), to_bf16);
+                        return Ok((CpuStorage::BF16(y), Shape::from((n, out))));
+                    }
+                    plus_bias(linear_bf16::forward(xs, n, ws, out, inp), b, out)?
                 }
                 _ => Self::product_f32((x, w, b), (n, inp, out), bf16)?,
             },
@@ -173,6 +179,36 @@ impl LinearOp {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (n, inp) = x.dims2()?;
         let out = w.dim(0)?;
+        let direct = bf16_products(x.dtype(), w.dtype())
+            && n >= linear_bf16::MIN_ROWS
+            && linear_bf16::available();
+        if direct
+            && matches!(self.act, Act::None)
+            && grad.dtype() == candle_core::DType::BF16
+            && x.track_op()
+            && !w.track_op()
+            && !with_bias
+        {
+            // A frozen bf16 weight (LoRA's base): the input's gradient alone,
+            // the upstream bf16 gradient read as the microkernel's pairs.
+            let dx = with_bf16(grad, |g| {
+                with_bf16(w, |ws| {
+                    let g = linear_bf16::Rows::Bf16(g);
+                    Ok(linear_bf16::backward_input_as(
+                        g,
+                        n,
+                        ws,
+                        (out, inp),
+                        to_bf16,
+                    ))
+                })
+            })?;
+            return Ok((
+                Some(Tensor::from_vec(dx, (n, inp), &Device::Cpu)?),
+                None,
+                None,
+            ));
+        }
         with_f32(grad, |g| {
             // dh: the gradient before the activation; the upstream gradient
             // itself (borrowed, not copied) when there is no activation.
@@ -204,10 +240,12 @@ impl LinearOp {
             // lie (no f32 copy of the weight), and `dh` rounded to bf16 as
             // it packs it.
             let keep = keep_bf16(bf16);
-            let direct = bf16 && n >= linear_bf16::MIN_ROWS && linear_bf16::available();
             let dx = if x.track_op() && direct {
                 // A bf16 weight on AVX-512 BF16 without AMX, as it lies.
-                let dx = with_bf16(w, |ws| Ok(linear_bf16::backward_input(dh, n, ws, out, inp)))?;
+                let dx = with_bf16(w, |ws| {
+                    let dh = linear_bf16::Rows::F32(dh);
+                    Ok(linear_bf16::backward_input(dh, n, ws, out, inp))
+                })?;
                 Some(tensor_from_f32(dx, (n, inp), x.dtype())?)
             } else if x.track_op() {
                 // dx [n, in] = dh [n, out] @ w [out, in]

@@ -10,7 +10,7 @@
 
 use half::bf16;
 
-use super::gemm_bf16::{gemm_new_bf16_packed, Packed, MR};
+use super::gemm_bf16::{gemm_new_bf16_packed, Packed, PackedB, MR, NR};
 use super::raw::{bf16_tile_available, pair_rows, par, MatRef};
 
 /// Rows of `x` from which the products take this path (fewer, decoding,
@@ -29,24 +29,107 @@ fn pair(lo: bf16, hi: bf16) -> u32 {
     u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
 }
 
-/// `y [n, out] = x [n, inp] @ W^T` for a bf16 `W [out, inp]` (`x` already
-/// holds bf16 values in f32).
-pub(super) fn forward(x: &[f32], n: usize, w: &[bf16], out: usize, inp: usize) -> Vec<f32> {
-    let x_t = || Packed::Matrix(MatRef::rows_t(x, 0, inp));
+/// The rows of a product's activation operand (`x`, or the output's
+/// gradient): bf16 values held in f32, or a bf16 tensor's own values, whose
+/// neighbours are the microkernel's pairs already (no conversion pass).
+#[derive(Clone, Copy)]
+pub(super) enum Rows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+}
+
+impl Rows<'_> {
+    /// These `[n, len]` rows as the right operand `[len, n]` of a product:
+    /// packed from the f32 values, or moved as pairs from the bf16 ones.
+    fn transposed<R>(self, len: usize, f: impl FnOnce(Packed) -> R) -> R {
+        match self {
+            Rows::Bf16(v) if len.is_multiple_of(2) => {
+                let pairs: &[u32] = bytemuck::cast_slice(v);
+                let rows = pairs.len() / (len / 2);
+                let pack = |(k0, kc): (usize, usize)| PackedB {
+                    data: columns_of_rows(pairs, len / 2, rows, (k0 / 2, kc.div_ceil(2))),
+                    pair_major: false,
+                    reused: false,
+                };
+                f(Packed::Rhs(&pack))
+            }
+            Rows::Bf16(v) => {
+                let v: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+                f(Packed::Matrix(MatRef::rows_t(&v, 0, len)))
+            }
+            Rows::F32(v) => f(Packed::Matrix(MatRef::rows_t(v, 0, len))),
+        }
+    }
+}
+
+/// Pairs `p0..p0 + pairs` of each of the `rows` rows of `src` (`[rows][ld]`
+/// pairs) as the columns of a right operand: panels of `NR` rows, each
+/// `[pairs][NR]`, zero past the last row.
+fn columns_of_rows(src: &[u32], ld: usize, rows: usize, (p0, pairs): (usize, usize)) -> Vec<u32> {
+    let panels = rows.div_ceil(NR);
+    let mut out = vec![0u32; panels * pairs * NR];
+    par::chunks_mut(&mut out, pairs * NR, |q, panel| {
+        for j in 0..NR.min(rows - q * NR) {
+            let row = &src[(q * NR + j) * ld + p0..][..pairs];
+            for (dst, &v) in panel[j..].iter_mut().step_by(NR).zip(row) {
+                *dst = v;
+            }
+        }
+    });
+    out
+}
+
+/// `y [n, out] = x [n, inp] @ W^T` for a bf16 `W [out, inp]` (`x` bf16
+/// values).
+pub(super) fn forward(x: Rows, n: usize, w: &[bf16], out: usize, inp: usize) -> Vec<f32> {
+    forward_as(x, n, w, (out, inp), |v| v)
+}
+
+/// [`forward`] with each output value made by `f` (the output's dtype) as
+/// it is written, in the same pass as the transpose of the product.
+pub(super) fn forward_as<T: Copy + Default + Send>(
+    x: Rows,
+    n: usize,
+    w: &[bf16],
+    (out, inp): (usize, usize),
+    f: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    let yt = x.transposed(inp, |x_t| product_t(x_t, n, w, out, inp));
+    transpose(&yt, out, n, f)
+}
+
+/// `t [cols, rows]` of `m [rows, cols]`, each value through `f`, in bands
+/// of 16 rows of `t`: each band reads one cache line of each row of `m`.
+/// (A row of `t` at a time read `m` once per row from beyond L2.)
+fn transpose<T: Copy + Default + Send>(
+    m: &[f32],
+    rows: usize,
+    cols: usize,
+    f: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    const BAND: usize = 16;
+    par::new_vec(rows * cols, BAND * rows, |b, band| {
+        let i0 = b * BAND;
+        let width = band.len() / rows.max(1);
+        for (o, src) in m.chunks_exact(cols).enumerate() {
+            for (j, &v) in src[i0..i0 + width].iter().enumerate() {
+                band[j * rows + o] = f(v);
+            }
+        }
+    })
+}
+
+/// `yT [out, n] = W x^T`.
+fn product_t(x_t: Packed, n: usize, w: &[bf16], out: usize, inp: usize) -> Vec<f32> {
     // yT [out, n] = W x^T. Rows of an even length whose storage is 4-byte
     // aligned are the microkernel's pairs as they lie: no packing pass (it
     // was 14% of a bf16 LoRA step's CPU time on a Zen 4).
-    let yt = match bytemuck::try_cast_slice::<bf16, u32>(w) {
+    match bytemuck::try_cast_slice::<bf16, u32>(w) {
         Ok(rows) if inp.is_multiple_of(2) => {
-            gemm_new_bf16_packed((out, n, inp), Packed::LhsRows(rows), x_t())
+            gemm_new_bf16_packed((out, n, inp), Packed::LhsRows(rows), x_t)
         }
-        _ => gemm_new_bf16_packed((out, n, inp), Packed::Lhs(&packer(w, inp)), x_t()),
-    };
-    par::new_vec(n * out, out, |i, row| {
-        for (o, v) in row.iter_mut().enumerate() {
-            *v = yt[o * n + i];
-        }
-    })
+        _ => gemm_new_bf16_packed((out, n, inp), Packed::Lhs(&packer(w, inp)), x_t),
+    }
 }
 
 /// Packs a task's rows of `w [_, inp]`, each row's neighbours paired, as
@@ -89,7 +172,18 @@ fn packer(w: &[bf16], inp: usize) -> impl Fn(usize, usize, (usize, usize)) -> Ve
 /// no packed copy of it is written to memory. (Packing all of `W` up front,
 /// zeroed first, then reading it back from memory: the zeroing alone was 5%
 /// of a bf16 LoRA step's CPU time.)
-pub(super) fn backward_input(dy: &[f32], n: usize, w: &[bf16], out: usize, inp: usize) -> Vec<f32> {
+pub(super) fn backward_input(dy: Rows, n: usize, w: &[bf16], out: usize, inp: usize) -> Vec<f32> {
+    backward_input_as(dy, n, w, (out, inp), |v| v)
+}
+
+/// [`backward_input`] with each value made by `f` as it is written.
+pub(super) fn backward_input_as<T: Copy + Default + Send>(
+    dy: Rows,
+    n: usize,
+    w: &[bf16],
+    (out, inp): (usize, usize),
+    f: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
     let pack = |c0: usize, cols: usize, (k0, kc): (usize, usize)| {
         let pairs = kc.div_ceil(2);
         let mut panels = vec![0u32; cols.div_ceil(MR) * pairs * MR];
@@ -106,13 +200,10 @@ pub(super) fn backward_input(dy: &[f32], n: usize, w: &[bf16], out: usize, inp: 
         }
         panels
     };
-    let dy_t = Packed::Matrix(MatRef::rows_t(dy, 0, out));
-    let dxt = gemm_new_bf16_packed((inp, n, out), Packed::Lhs(&pack), dy_t);
-    par::new_vec(n * inp, inp, |i, row| {
-        for (k, v) in row.iter_mut().enumerate() {
-            *v = dxt[k * n + i];
-        }
-    })
+    let dxt = dy.transposed(out, |dy_t| {
+        gemm_new_bf16_packed((inp, n, out), Packed::Lhs(&pack), dy_t)
+    });
+    transpose(&dxt, inp, n, f)
 }
 
 #[cfg(test)]
@@ -136,10 +227,17 @@ mod tests {
             let w: Vec<bf16> = (0..out * inp).map(|i| val(i, 1)).collect();
             let x: Vec<f32> = (0..n * inp).map(|i| val(i, 2).to_f32()).collect();
             let dy: Vec<f32> = (0..n * out).map(|i| val(i, 3).to_f32()).collect();
-            let (y, dx) = (
-                forward(&x, n, &w, out, inp),
-                backward_input(&dy, n, &w, out, inp),
+            let (xb, dyb): (Vec<bf16>, Vec<bf16>) = (
+                x.iter().map(|&v| bf16::from_f32(v)).collect(),
+                dy.iter().map(|&v| bf16::from_f32(v)).collect(),
             );
+            let (y, dx) = (
+                forward(Rows::F32(&x), n, &w, out, inp),
+                backward_input(Rows::F32(&dy), n, &w, out, inp),
+            );
+            // The activations as bf16 tensors give the same sums.
+            assert_eq!(y, forward(Rows::Bf16(&xb), n, &w, out, inp));
+            assert_eq!(dx, backward_input(Rows::Bf16(&dyb), n, &w, out, inp));
             for i in 0..n {
                 for o in 0..out {
                     let want: f64 = (0..inp)

@@ -344,7 +344,7 @@ impl CustomOp3 for LinearCrossEntropy {
         if let Some(wb) = as_bf16(s2, l2).filter(|_| direct_bf16(bf16)) {
             // A bf16 head as it lies: a 128K x 3K vocabulary is 1.5 GB in f32.
             let (lse, loss) = chunked(&xs, targets, (d, c), per, |x, m| {
-                linear_bf16::forward(x, m, wb, c, d)
+                linear_bf16::forward(linear_bf16::Rows::F32(x), m, wb, c, d)
             });
             *self.state.lock().unwrap() = Some((None, lse));
             return Ok((CpuStorage::F32(vec![loss]), Shape::from(())));
@@ -399,11 +399,17 @@ impl CustomOp3 for LinearCrossEntropy {
                     for r0 in (0..n).step_by(per.max(1)) {
                         let m = per.min(n - r0);
                         let xc = &xs[r0 * d..(r0 + m) * d];
-                        let mut dl = linear_bf16::forward(xc, m, wb, c, d);
+                        let mut dl = linear_bf16::forward(linear_bf16::Rows::F32(xc), m, wb, c, d);
                         let t = &targets[r0..r0 + m];
                         softmax_minus_onehot(&mut dl, &lse[r0..r0 + m], t, c, scale);
                         if want_dx {
-                            dx.extend(linear_bf16::backward_input(&dl, m, wb, c, d));
+                            dx.extend(linear_bf16::backward_input(
+                                linear_bf16::Rows::F32(&dl),
+                                m,
+                                wb,
+                                c,
+                                d,
+                            ));
                         }
                     }
                     Ok(dx)
