@@ -11,7 +11,10 @@
 use half::bf16;
 
 use super::gemm_bf16::{gemm_new_bf16_packed, Packed, PackedB, MR, NR};
-use super::raw::{bf16_tile_available, pair_rows, par, MatRef};
+use super::raw::{bf16_tile_available, pair_rows, par, prefetch, MatRef};
+
+/// Rows of the weight ahead of the one being packed that are prefetched.
+const PREFETCH_ROWS: usize = 16;
 
 /// Rows of `x` from which the products take this path (fewer, decoding,
 /// stay with the skinny kernels).
@@ -188,14 +191,23 @@ pub(super) fn backward_input_as<T: Copy + Default + Send>(
         let pairs = kc.div_ceil(2);
         let mut panels = vec![0u32; cols.div_ceil(MR) * pairs * MR];
         let bits: &[u16] = bytemuck::cast_slice(w);
-        for (b, panel) in panels.chunks_mut(pairs * MR).enumerate() {
-            let p0 = c0 + b * MR;
-            let live = MR.min(c0 + cols - p0);
-            for (p, dst) in panel.chunks_mut(MR).enumerate() {
-                let o = k0 + 2 * p;
+        for p in 0..pairs {
+            let o = k0 + 2 * p;
+            // Rows lie pages apart, past where the hardware's prefetchers
+            // follow a stream: the rows a few pairs on are asked for now.
+            for ahead in [o + PREFETCH_ROWS, o + PREFETCH_ROWS + 1] {
+                if ahead < k0 + kc {
+                    let row = bits[ahead * inp + c0..][..cols].as_ptr_range();
+                    prefetch(row.start.cast());
+                    prefetch(row.end.wrapping_sub(1).cast());
+                }
+            }
+            for (b, panel) in panels.chunks_mut(pairs * MR).enumerate() {
+                let p0 = c0 + b * MR;
+                let live = MR.min(c0 + cols - p0);
                 let lo = &bits[o * inp + p0..][..live];
                 let hi = (o + 1 < k0 + kc).then(|| &bits[(o + 1) * inp + p0..][..live]);
-                pair_rows(lo, hi, dst);
+                pair_rows(lo, hi, &mut panel[p * MR..][..MR]);
             }
         }
         panels
