@@ -85,6 +85,10 @@ pub struct Args {
     /// Save a checkpoint every N optimizer steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: u64,
+    /// Every machine keeps its own copy of each checkpoint under `--out`
+    /// (Accelerate's `save_on_each_node`: no shared storage needed).
+    #[arg(long)]
+    pub save_on_each_node: bool,
     /// Capture the step as a CUDA graph and replay it. Not built yet: says
     /// so at start-up and trains eagerly.
     #[arg(long)]
@@ -96,7 +100,9 @@ pub struct Args {
 /// # Errors
 /// Whatever the Accelerator, the data or a checkpoint raises.
 pub fn run(args: &Args) -> Result<()> {
-    let mut project = ProjectConfiguration::automatic(&args.out).with_total_limit(2);
+    let mut project = ProjectConfiguration::automatic(&args.out)
+        .with_total_limit(2)
+        .with_save_on_each_node(args.save_on_each_node);
     // A second run in the same folder numbers its checkpoints after the
     // first's instead of refusing to overwrite them (as the Trainer does).
     let existing = accel_core::checkpoint::list_checkpoints(args.out.join("checkpoints"))?;

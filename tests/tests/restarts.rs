@@ -232,3 +232,143 @@ fn a_rank_killed_during_a_save_restarts_from_the_last_complete_checkpoint() {
     // No partial checkpoint is ever listed, so the restart reads a whole one.
     assert_resumed_bitwise(&out, &calm, &hit);
 }
+
+/// One launcher per "machine" on loopback, each in its own folder, so a
+/// relative `--out` is that machine's own disk: 2 machines of 2 ranks, with
+/// `--save-on-each-node`, 60 steps, a checkpoint every 25.
+fn launch_machines(root: &Path, port: u16, extra: &[&str]) -> Vec<Child> {
+    (0..2)
+        .map(|m| {
+            let node = root.join(format!("node{m}"));
+            std::fs::create_dir_all(&node).unwrap();
+            let log = |s: &str| std::fs::File::create(node.join(format!("launch.{s}"))).unwrap();
+            Command::new(LAUNCH)
+                .current_dir(&node)
+                .args(["launch", "--num_machines", "2", "--machine_rank"])
+                .arg(m.to_string())
+                .args(["--main_process_ip", "127.0.0.1", "--main_process_port"])
+                .arg(port.to_string())
+                .args([
+                    "--num_processes",
+                    "4",
+                    "--cpu",
+                    "--num_cpu_threads_per_process",
+                    "1",
+                ])
+                .arg(GPT)
+                .args([
+                    "--steps",
+                    "60",
+                    "--batch-size",
+                    "8",
+                    "--checkpoint-every",
+                    "25",
+                ])
+                .args(["--save-on-each-node", "--out", "out"])
+                .args(extra)
+                .env("ACCEL_JOB_TOKEN", "both-machines-share-it")
+                .stdout(Stdio::from(log("out")))
+                .stderr(Stdio::from(log("err")))
+                .spawn()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn save_on_each_node_keeps_a_copy_on_every_machine_and_a_resume_reads_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let calm = dir.path().join("calm");
+    let four = |out: &Path, extra: &[&str]| {
+        Command::new(LAUNCH)
+            .args([
+                "launch",
+                "--num_processes",
+                "4",
+                "--cpu",
+                "--num_cpu_threads_per_process",
+                "1",
+            ])
+            .arg(GPT)
+            .args([
+                "--steps",
+                "60",
+                "--batch-size",
+                "8",
+                "--checkpoint-every",
+                "25",
+                "--out",
+            ])
+            .arg(out)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    finish(four(&calm, &[]));
+
+    // Both machines are stopped (SIGTERM to each launcher) past the
+    // checkpoint of step 25: every rank saves the step it is at.
+    let port = free_port();
+    let hit = launch_machines(dir.path(), port, &[]);
+    let nodes: Vec<PathBuf> = (0..2)
+        .map(|m| dir.path().join(format!("node{m}/out")))
+        .collect();
+    for node in &nodes {
+        wait_for_checkpoint(node, 0);
+    }
+    std::thread::sleep(Duration::from_millis(150));
+    for child in &hit {
+        signal(child.id(), "TERM");
+    }
+    for mut child in hit {
+        assert!(
+            !child.wait().unwrap().success(),
+            "an interrupted launch reports it"
+        );
+    }
+    // Each machine's copy holds the shared state and its own ranks' files
+    // only (ranks 0-1 on machine 0, 2-3 on machine 1).
+    for (m, node) in nodes.iter().enumerate() {
+        let ckpt = node.join("checkpoints").join("checkpoint_1");
+        let err = std::fs::read_to_string(node.join("../launch.err")).unwrap_or_default();
+        assert!(
+            ckpt.join("model.safetensors").is_file(),
+            "machine {m}: {err}"
+        );
+        for rank in 0..4 {
+            let file = ckpt.join(format!("random_states_{rank}.json"));
+            assert_eq!(
+                file.is_file(),
+                rank / 2 == m,
+                "{} on machine {m}",
+                file.display()
+            );
+        }
+    }
+    let saved = |m: usize| {
+        std::fs::read(nodes[m].join("checkpoints/checkpoint_1/model.safetensors")).unwrap()
+    };
+    assert!(saved(0) == saved(1), "the machines' copies differ");
+
+    // Resumed, each machine from its own copy: the weights of a run never
+    // interrupted.
+    for mut child in launch_machines(dir.path(), free_port(), &["--resume"]) {
+        assert!(child.wait().unwrap().success());
+    }
+    let log = std::fs::read_to_string(dir.path().join("node0/launch.out")).unwrap();
+    assert!(log.contains("resumed from"), "{log}");
+    assert!(
+        model(&calm) == model(&nodes[0]),
+        "the resumed run's weights differ"
+    );
+}

@@ -56,21 +56,33 @@ impl Accelerator {
         {
             tracing::warn!("save_state in the middle of an accumulation cycle: accumulated gradients are not saved");
         }
-        // Only the main process touches the folder tree; every rank learns
-        // the outcome before the first collective below.
-        let begun = if self.is_main_process() {
+        // Only the folder's owner (the main process, or each machine's first
+        // with `save_on_each_node`) touches the folder tree; every rank
+        // learns the outcome before the first collective below.
+        let begun = if self.owns_checkpoint_folder() {
             self.begin_checkpoint(&dir).map(Some)
         } else {
             Ok(None)
         };
         let tmp = self.agree("save_state", begun)?;
-        let mut tmp_path = vec![tmp
+        let mine = tmp
             .as_ref()
             .map(|t| t.path().display().to_string())
-            .unwrap_or_default()];
-        if self.num_processes() > 1 {
-            self.comm().broadcast_object_list(&mut tmp_path, 0)?;
-        }
+            .unwrap_or_default();
+        let tmp_path = match self.num_processes() {
+            1 => vec![mine],
+            _ => {
+                // Each rank writes into its owner's folder: the main
+                // process's, or the first process's of its own machine (ranks
+                // are numbered machine by machine, as torchrun numbers them).
+                let all: Vec<String> = self.comm().gather_object(&mine)?;
+                let owner = match self.config.project.save_on_each_node {
+                    true => self.process_index() - self.state.local_rank,
+                    false => 0,
+                };
+                vec![all[owner].clone()]
+            }
+        };
         // Sharded models gather their full state first (every rank takes
         // part). Then every rank writes its own files (RNG state, sharded
         // pieces) into the main process's temporary folder, and the main
@@ -90,6 +102,14 @@ impl Accelerator {
             self.config.project.iteration += 1;
         }
         Ok(dir)
+    }
+
+    /// Whether this process creates and publishes the checkpoint folder.
+    fn owns_checkpoint_folder(&self) -> bool {
+        match self.config.project.save_on_each_node {
+            true => self.is_local_main_process(),
+            false => self.is_main_process(),
+        }
     }
 
     /// The folder the next `save_state` writes (no file-system access).

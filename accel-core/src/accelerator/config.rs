@@ -24,6 +24,13 @@ pub struct ProjectConfiguration {
     pub total_limit: Option<usize>,
     /// The number the next automatic checkpoint gets.
     pub iteration: u64,
+    /// Every machine keeps its own copy of each checkpoint (Accelerate's
+    /// field): the first process of each machine writes the folder on its
+    /// own disk and that machine's ranks write their files into it, so a job
+    /// without shared storage can save and restart. Without it the main
+    /// process's folder takes every rank's files, which needs a folder all
+    /// machines see.
+    pub save_on_each_node: bool,
 }
 
 impl Default for ProjectConfiguration {
@@ -34,6 +41,7 @@ impl Default for ProjectConfiguration {
             automatic_checkpoint_naming: false,
             total_limit: None,
             iteration: 0,
+            save_on_each_node: false,
         }
     }
 }
@@ -51,6 +59,13 @@ impl ProjectConfiguration {
     /// Keeps at most `limit` automatic checkpoints.
     pub fn with_total_limit(mut self, limit: usize) -> Self {
         self.total_limit = Some(limit);
+        self
+    }
+
+    /// Every machine keeps its own copy of each checkpoint (see
+    /// [`Self::save_on_each_node`]).
+    pub fn with_save_on_each_node(mut self, on: bool) -> Self {
+        self.save_on_each_node = on;
         self
     }
 

@@ -134,6 +134,9 @@ pub struct TrainingArguments {
     pub save_steps: u64,
     /// Keep at most this many checkpoints, deleting the oldest.
     pub save_total_limit: Option<usize>,
+    /// Every machine keeps its own copy of each checkpoint, for jobs without
+    /// shared storage ([`ProjectConfiguration::save_on_each_node`]).
+    pub save_on_each_node: bool,
     /// Seed of initialisation and data order.
     pub seed: u64,
     /// Precision mode, overridden by `bf16` / `fp16`; `None` defers to the
@@ -253,6 +256,7 @@ impl Default for TrainingArguments {
             save_strategy: IntervalStrategy::Steps,
             save_steps: 500,
             save_total_limit: None,
+            save_on_each_node: false,
             seed: 42,
             mixed_precision: None,
             bf16: false,
@@ -560,6 +564,7 @@ impl TrainingArguments {
         self.validate()?;
         let mut project = ProjectConfiguration::automatic(&self.output_dir);
         project.total_limit = self.save_total_limit;
+        project.save_on_each_node = self.save_on_each_node;
         // Number new checkpoints after any already there, so a second run (or a
         // resume from an explicit folder) never collides with an existing one.
         let existing = crate::checkpoint::list_checkpoints(self.output_dir.join("checkpoints"))?;
