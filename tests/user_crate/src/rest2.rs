@@ -1,17 +1,20 @@
 //! The recurrent and encoder-decoder end of candle-transformers' text zoo: Gemma 4 (text),
 //! Based (short convolution, Taylor linear attention, sliding window), RWKV v5 and v6 (their
-//! recurrent step unrolled over the sequence), Mamba 2 (the chunked SSD prefill) and Marian
-//! (translation), and DeBERTa v2 (disentangled attention, sequence classification), each built with tiny shapes as a user would.
+//! recurrent step unrolled over the sequence), Mamba 2 (the chunked SSD prefill), Marian
+//! (translation), DeBERTa v2 (disentangled attention, sequence classification) and SmolLM3
+//! (NoPE layers), each built with tiny shapes as a user would.
 
 use accel_core::Accelerator;
 use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::{VarBuilder, VarMap};
-use candle_transformers::models::{based, debertav2, gemma4, mamba2, marian, rwkv_v5, rwkv_v6};
+use candle_transformers::models::{
+    based, debertav2, gemma4, mamba2, marian, rwkv_v5, rwkv_v6, smol::smollm3,
+};
 use serde_json::json;
 use std::cell::RefCell;
 
-use super::{last_loss, Forward};
+use super::{decoder_json, last_loss, with, Forward};
 
 /// Cross-entropy of `[b, vocab]` logits against `next`.
 fn loss(logits: Tensor, next: &Tensor) -> Result<Tensor> {
@@ -182,6 +185,19 @@ pub fn forward(
             Box::new(move |_: &Accelerator| {
                 let logits = m.forward(&long, None, None)?;
                 loss(logits, &labels)
+            })
+        }
+        "smollm3" => {
+            // Every second layer without rotary embedding (NoPE).
+            let cfg: smollm3::Config = serde_json::from_value(with(
+                decoder_json(),
+                json!({"no_rope_layer_interval": 2, "no_rope_layers": null}),
+            ))?;
+            let m = RefCell::new(smollm3::ModelForCausalLM::new(&cfg, vb)?);
+            Box::new(move |_: &Accelerator| {
+                let mut m = m.borrow_mut();
+                m.clear_kv_cache();
+                last_loss(m.forward(&long, 0)?, &next)
             })
         }
         _ => return Ok(None),
