@@ -24,6 +24,9 @@ fn loss(logits: Tensor, next: &Tensor) -> Result<Tensor> {
     )?)
 }
 
+/// One RWKV v5 or v6 step: a token per sequence in, logits out.
+type RwkvStep = Box<dyn Fn(&Tensor, &mut rwkv_v5::State) -> candle_core::Result<Tensor>>;
+
 /// An RWKV state in the computation's dtype (candle creates it in f32, for f32 checkpoints).
 fn rwkv_state(
     batch: usize,
@@ -108,14 +111,13 @@ pub fn forward(
             let batch = 1;
             let ids = long.narrow(0, 0, batch)?;
             let next = next.narrow(0, 0, batch)?;
-            let step: Box<dyn Fn(&Tensor, &mut rwkv_v5::State) -> candle_core::Result<Tensor>> =
-                if which == "rwkv_v5" {
-                    let m = rwkv_v5::Model::new(&rwkv, vb)?;
-                    Box::new(move |x, state| m.forward(x, state))
-                } else {
-                    let m = rwkv_v6::Model::new(&rwkv, vb)?;
-                    Box::new(move |x, state| m.forward(x, state))
-                };
+            let step: RwkvStep = if which == "rwkv_v5" {
+                let m = rwkv_v5::Model::new(&rwkv, vb)?;
+                Box::new(move |x, state| m.forward(x, state))
+            } else {
+                let m = rwkv_v6::Model::new(&rwkv, vb)?;
+                Box::new(move |x, state| m.forward(x, state))
+            };
             let dev = dev.clone();
             Box::new(move |_: &Accelerator| {
                 let mut state = rwkv_state(batch, &rwkv, dtype, &dev)?;
