@@ -4,10 +4,15 @@
 //! the top of the user's workspace), builds against this checkout and
 //! trains candle-transformers' BERT, Llama, Qwen3, Qwen3-MoE, Gemma 3,
 //! Mixtral, Mistral, Qwen2, Phi-3, Gemma 2, StarCoder2, OLMo 2, StableLM,
-//! OLMo, Helium, Phi-2, Qwen2-MoE, Falcon, DistilBERT, ModernBERT and T5 in
-//! fp32 and bf16: every
-//! parameter gets a gradient at every step, every loss is finite and falls
-//! (`tests/user_crate/src/main.rs` checks and prints them).
+//! OLMo, Helium, Phi-2, Qwen2-MoE, Falcon, DistilBERT, ModernBERT and T5
+//! (`main.rs`); Gemma, GLM-4, DeepSeek-V2, Granite, Mamba and XLM-RoBERTa
+//! (`more.rs`); MixFormer (Phi-1.5), Stella v5, Nomic BERT, Jina BERT,
+//! ChatGLM3, GLM-4 (new layout), CodeGeeX4, LFM2, GPT-BigCode, llama2.c,
+//! RecurrentGemma and Granite-MoE-Hybrid (`rest.rs`); and Gemma 4 (text),
+//! Based, RWKV v5 and v6, Mamba 2, Marian, DeBERTa v2 and SmolLM3 (`rest2.rs`), in
+//! fp32 and bf16: every parameter gets a gradient at every step, every loss
+//! is finite and falls (`tests/user_crate/src/main.rs` checks and prints
+//! them).
 //!
 //! The crate is copied to a temporary folder outside the repository, with
 //! the checkout's paths where a user writes `git = "..."`. It builds into
@@ -139,6 +144,46 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("mamba", "bf16", 22),
         ("xlm_roberta", "no", 41),
         ("xlm_roberta", "bf16", 41),
+        ("mixformer", "no", 25),
+        ("mixformer", "bf16", 25),
+        ("stella_en_v5", "no", 28),
+        ("stella_en_v5", "bf16", 28),
+        ("nomic_bert", "no", 24),
+        ("nomic_bert", "bf16", 24),
+        ("jina_bert", "no", 36),
+        ("jina_bert", "bf16", 36),
+        ("chatglm", "no", 17),
+        ("chatglm", "bf16", 17),
+        ("codegeex4_9b", "no", 17),
+        ("codegeex4_9b", "bf16", 17),
+        ("glm4_new", "no", 29),
+        ("glm4_new", "bf16", 29),
+        ("lfm2", "no", 22),
+        ("lfm2", "bf16", 22),
+        ("bigcode", "no", 28),
+        ("bigcode", "bf16", 28),
+        ("llama2_c", "no", 21),
+        ("llama2_c", "bf16", 21),
+        ("recurrent_gemma", "no", 36),
+        ("recurrent_gemma", "bf16", 36),
+        ("granitemoehybrid", "no", 18),
+        ("granitemoehybrid", "bf16", 18),
+        ("gemma4", "no", 29),
+        ("gemma4", "bf16", 29),
+        ("based", "no", 25),
+        ("based", "bf16", 25),
+        ("rwkv_v5", "no", 50),
+        ("rwkv_v5", "bf16", 50),
+        ("rwkv_v6", "no", 62),
+        ("rwkv_v6", "bf16", 62),
+        ("mamba2", "no", 20),
+        ("mamba2", "bf16", 20),
+        ("marian", "no", 86),
+        ("marian", "bf16", 86),
+        ("debertav2", "no", 42),
+        ("debertav2", "bf16", 42),
+        ("smollm3", "no", 21),
+        ("smollm3", "bf16", 21),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

@@ -1,11 +1,14 @@
 //! What a candle user writes: candle-transformers' BERT, DistilBERT and ModernBERT (with a
 //! classification head), Llama, Mistral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma 2 and 3, Mixtral, Phi-3,
-//! Phi-2, StarCoder2, OLMo and OLMo 2, Helium, StableLM, Falcon and T5 (fresh), and (more.rs)
-//! Gemma, GLM-4, DeepSeek-V2, Granite, Mamba and XLM-RoBERTa, built
+//! Phi-2, StarCoder2, OLMo and OLMo 2, Helium, StableLM, Falcon and T5 (fresh); (more.rs)
+//! Gemma, GLM-4, DeepSeek-V2, Granite, Mamba and XLM-RoBERTa; (rest.rs) MixFormer, Stella v5,
+//! Nomic BERT, Jina BERT, ChatGLM3, GLM-4 (new layout), CodeGeeX4, LFM2, GPT-BigCode, llama2.c,
+//! RecurrentGemma and Granite-MoE-Hybrid; (rest2.rs) Gemma 4 (text), Based, RWKV v5 and v6,
+//! Mamba 2, Marian, DeBERTa v2 and SmolLM3; built
 //! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
 //! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
-//! finite and falls.
+//! finite and falls. Names on the command line run only those models.
 
 use accel_core::optim::{AdamW, AdamWConfig};
 use accel_core::{Accelerator, AcceleratorConfig, PrecisionType};
@@ -15,12 +18,14 @@ use candle_nn::{Module, VarMap};
 use std::cell::RefCell;
 
 use candle_transformers::models::{
-    bert, distilbert, falcon, gemma2, gemma3, helium, llama, mistral, mixtral, modernbert, olmo, olmo2, phi,
-    phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2, t5,
+    bert, distilbert, falcon, gemma2, gemma3, helium, llama, mistral, mixtral, modernbert, olmo,
+    olmo2, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, stable_lm, starcoder2, t5,
 };
 use serde_json::json;
 
 mod more;
+mod rest;
+mod rest2;
 
 /// A model's loss, built once, computed at each step.
 pub(crate) type Forward = Box<dyn Fn(&Accelerator) -> Result<Tensor>>;
@@ -82,6 +87,12 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
         "gemma" | "glm4" | "deepseek2" | "granite" | "mamba" | "xlm_roberta" => {
             more::forward(which, vb, &varmap, &dev)?.expect("built in more.rs")
         }
+        "mixformer" | "stella_en_v5" | "nomic_bert" | "jina_bert" | "chatglm" | "codegeex4_9b"
+        | "glm4_new" | "lfm2" | "bigcode" | "llama2_c" | "recurrent_gemma" | "granitemoehybrid" => {
+            rest::forward(which, vb, &varmap, &dev)?.expect("built in rest.rs")
+        }
+        "gemma4" | "based" | "rwkv_v5" | "rwkv_v6" | "mamba2" | "marian" | "debertav2"
+        | "smollm3" => rest2::forward(which, vb, &varmap, &dev)?.expect("built in rest2.rs"),
         "bert" => {
             let model = bert::BertModel::load(vb.pp("bert"), &bert_config()?)?;
             let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
@@ -90,7 +101,10 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
             Box::new(move |acc: &Accelerator| {
                 let hidden = model.forward(&ids, &ids.zeros_like()?, Some(&mask))?;
                 let m = mask.to_dtype(acc.compute_dtype())?.unsqueeze(D::Minus1)?;
-                let pooled = hidden.broadcast_mul(&m)?.sum(1)?.broadcast_div(&m.sum(1)?)?;
+                let pooled = hidden
+                    .broadcast_mul(&m)?
+                    .sum(1)?
+                    .broadcast_div(&m.sum(1)?)?;
                 let logits = head.forward(&pooled)?.to_dtype(DType::F32)?;
                 Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
             })
@@ -148,7 +162,10 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
             Box::new(move |acc: &Accelerator| {
                 let hidden = encode()?;
                 let m = mask.to_dtype(acc.compute_dtype())?.unsqueeze(D::Minus1)?;
-                let pooled = hidden.broadcast_mul(&m)?.sum(1)?.broadcast_div(&m.sum(1)?)?;
+                let pooled = hidden
+                    .broadcast_mul(&m)?
+                    .sum(1)?
+                    .broadcast_div(&m.sum(1)?)?;
                 let logits = head.forward(&pooled)?.to_dtype(DType::F32)?;
                 Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
             })
@@ -203,10 +220,8 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                     })
                 }
                 "olmo2" => {
-                    let cfg: olmo2::Config = serde_json::from_value(with(
-                        decoder_json(),
-                        json!({"clip_qkv": null}),
-                    ))?;
+                    let cfg: olmo2::Config =
+                        serde_json::from_value(with(decoder_json(), json!({"clip_qkv": null})))?;
                     let m = RefCell::new(olmo2::Model::new(&cfg, vb)?);
                     Box::new(move |_: &Accelerator| {
                         let mut m = m.borrow_mut();
@@ -421,7 +436,10 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
         opt.step()?;
         opt.zero_grad();
         let loss = loss.to_scalar::<f32>()?;
-        ensure!(loss.is_finite(), "{which} {precision}: step {step}: loss {loss}");
+        ensure!(
+            loss.is_finite(),
+            "{which} {precision}: step {step}: loss {loss}"
+        );
         losses.push(loss);
     }
     ensure!(
@@ -436,6 +454,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
 }
 
 fn main() -> Result<()> {
+    let only: Vec<String> = std::env::args().skip(1).collect();
     for which in [
         "bert",
         "llama",
@@ -464,7 +483,31 @@ fn main() -> Result<()> {
         "granite",
         "mamba",
         "xlm_roberta",
+        "mixformer",
+        "stella_en_v5",
+        "nomic_bert",
+        "jina_bert",
+        "chatglm",
+        "codegeex4_9b",
+        "glm4_new",
+        "lfm2",
+        "bigcode",
+        "llama2_c",
+        "recurrent_gemma",
+        "granitemoehybrid",
+        "gemma4",
+        "based",
+        "rwkv_v5",
+        "rwkv_v6",
+        "mamba2",
+        "marian",
+        "debertav2",
+        "smollm3",
     ] {
+        // Names on the command line run only those models.
+        if !only.is_empty() && !only.iter().any(|o| o == which) {
+            continue;
+        }
         for precision in [PrecisionType::No, PrecisionType::Bf16] {
             train(which, precision)?;
         }

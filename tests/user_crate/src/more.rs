@@ -132,7 +132,10 @@ pub fn forward(
             Box::new(move |_: &Accelerator| {
                 let logits = m.forward(&ids, &mask, &types, None, None, None)?;
                 let logits = logits.to_dtype(DType::F32)?.reshape((32, ()))?;
-                Ok(candle_nn::loss::cross_entropy(&logits, &ids.flatten_all()?)?)
+                Ok(candle_nn::loss::cross_entropy(
+                    &logits,
+                    &ids.flatten_all()?,
+                )?)
             })
         }
         _ => return Ok(None),

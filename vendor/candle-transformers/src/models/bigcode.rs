@@ -164,7 +164,11 @@ impl Attention {
         if query.dtype() != DType::F32 {
             // If we start supporting f16 models, we may need the upcasting scaling bits.
             // https://github.com/huggingface/transformers/blob/a0042379269bea9182c1f87e6b2eee4ba4c8cce8/src/transformers/models/gpt_bigcode/modeling_gpt_bigcode.py#L133
-            candle::bail!("upcasting is not supported {:?}", query.dtype())
+            // accel-rs patch (docs/design/candle-nn-patch.md): attention in f32 and the
+            // output back in the input's dtype, instead of an error (f32 is unchanged).
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            let out = self.attn(&f32(query)?, &f32(key)?, &f32(value)?, attention_mask)?;
+            return out.to_dtype(query.dtype());
         }
         let scale_factor = 1f64 / (self.head_dim as f64).sqrt();
         let initial_query_shape = query.shape();

@@ -114,7 +114,11 @@ struct CoreAttention {
 
 fn masked_fill(on_false: &Tensor, mask: &Tensor, on_true: f32) -> Result<Tensor> {
     let shape = mask.shape();
-    let on_true = Tensor::new(on_true, on_false.device())?.broadcast_as(shape.dims())?;
+    // accel-rs patch (docs/design/candle-nn-patch.md): the fill value in the scores'
+    // dtype (bf16 scores refused an f32 one; f32 is unchanged).
+    let on_true = Tensor::new(on_true, on_false.device())?
+        .to_dtype(on_false.dtype())?
+        .broadcast_as(shape.dims())?;
     let m = mask.where_cond(&on_true, on_false)?;
     Ok(m)
 }

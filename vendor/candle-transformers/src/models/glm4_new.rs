@@ -67,11 +67,10 @@ impl RotaryEmbedding {
         let (s, e) = (offset, offset + seq_len);
         let cos = self.cos.i((s..e, ..))?.contiguous()?;
         let sin = self.sin.i((s..e, ..))?.contiguous()?;
-        let xs_rot = xs
-            .i((0, .., .., ..self.rotary_dim))?
-            .unsqueeze(0)?
-            .contiguous()?;
-        let xs_pass = xs.i((0, .., .., self.rotary_dim..))?.unsqueeze(0)?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): every sequence of the batch
+        // (this took the first one only, `xs.i((0, ..))`; at batch 1 it is the same).
+        let xs_rot = xs.i((.., .., .., ..self.rotary_dim))?.contiguous()?;
+        let xs_pass = xs.i((.., .., .., self.rotary_dim..))?;
         let xs_rot = candle_nn::rotary_emb::rope_i(&xs_rot, &cos, &sin).unwrap();
         Tensor::cat(&[&xs_rot, &xs_pass], D::Minus1)?.contiguous()
     }

@@ -178,7 +178,10 @@ impl BertSelfAttention {
 
         let attention_scores = query_layer.matmul(&key_layer.t()?)?;
         let attention_scores = (attention_scores / (self.attention_head_size as f64).sqrt())?;
-        let attention_scores = attention_scores.broadcast_add(bias)?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): the f32 ALiBi bias in the
+        // scores' dtype (bf16 scores refused it; f32 is unchanged).
+        let attention_scores =
+            attention_scores.broadcast_add(&bias.to_dtype(attention_scores.dtype())?)?;
         let attention_probs = {
             let _enter_sm = self.span_softmax.enter();
             candle_nn::ops::softmax_last_dim(&attention_scores)?

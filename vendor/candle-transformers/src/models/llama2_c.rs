@@ -150,8 +150,16 @@ struct CausalSelfAttention {
 impl CausalSelfAttention {
     fn apply_rotary_emb(&self, x: &Tensor, index_pos: usize, cache: &Cache) -> Result<Tensor> {
         let (b_sz, seq_len, h, n_embd) = x.dims4()?;
-        let cos = cache.cos.i(index_pos..index_pos + seq_len)?;
-        let sin = cache.sin.i(index_pos..index_pos + seq_len)?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): the f32 tables in the
+        // rotated values' dtype (bf16 refused them; f32 is unchanged).
+        let cos = cache
+            .cos
+            .i(index_pos..index_pos + seq_len)?
+            .to_dtype(x.dtype())?;
+        let sin = cache
+            .sin
+            .i(index_pos..index_pos + seq_len)?
+            .to_dtype(x.dtype())?;
         let cos = cos.unsqueeze(1)?;
         let sin = sin.unsqueeze(1)?;
         let cos = cos.broadcast_as((b_sz, seq_len, 1, n_embd / 2, 1))?;
@@ -250,7 +258,11 @@ impl CausalSelfAttention {
 
 fn masked_fill(on_false: &Tensor, mask: &Tensor, on_true: f32) -> Result<Tensor> {
     let shape = mask.shape();
-    let on_true = Tensor::new(on_true, on_false.device())?.broadcast_as(shape.dims())?;
+    // accel-rs patch (docs/design/candle-nn-patch.md): the fill value in the scores'
+    // dtype (bf16 scores refused an f32 one; f32 is unchanged).
+    let on_true = Tensor::new(on_true, on_false.device())?
+        .to_dtype(on_false.dtype())?
+        .broadcast_as(shape.dims())?;
     let m = mask.where_cond(&on_true, on_false)?;
     Ok(m)
 }

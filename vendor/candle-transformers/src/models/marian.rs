@@ -632,7 +632,10 @@ impl MTModel {
         let mask: Vec<_> = (0..seq_len)
             .flat_map(|i| (0..seq_len).map(move |j| if j > i { f32::NEG_INFINITY } else { 0f32 }))
             .collect();
-        let mask = Tensor::from_vec(mask, (seq_len, seq_len), xs.device())?;
+        // accel-rs patch (docs/design/candle-nn-patch.md): the causal mask in the
+        // model's dtype (bf16 scores refused an f32 one; f32 is unchanged).
+        let mask = Tensor::from_vec(mask, (seq_len, seq_len), xs.device())?
+            .to_dtype(self.final_logits_bias.dtype())?;
         self.model
             .decoder
             .forward(xs, Some(encoder_xs), past_kv_len, &mask)?

@@ -745,6 +745,8 @@ impl Model {
 pub struct EmbeddingModel {
     base_model: Model,
     lm_head: Linear,
+    // accel-rs patch: the head's dtype (see `forward`).
+    head_dtype: DType,
 }
 
 impl EmbeddingModel {
@@ -759,6 +761,7 @@ impl EmbeddingModel {
         Ok(Self {
             base_model,
             lm_head,
+            head_dtype: embed_vb.dtype(),
         })
     }
 
@@ -767,7 +770,10 @@ impl EmbeddingModel {
         let x = self.pool(&x, mask)?;
 
         // No matter what keeping the final activations as F32 helps with the accuracy
-        self.lm_head.forward(&x.to_dtype(DType::F32)?) // [B_sz, dim_size]
+        // accel-rs patch (docs/design/candle-nn-patch.md): the pooled states in the head's
+        // dtype, the output in f32 (a bf16 head refused f32 states; an f32 head is unchanged).
+        let x = x.to_dtype(self.head_dtype)?;
+        self.lm_head.forward(&x)?.to_dtype(DType::F32) // [B_sz, dim_size]
     }
 
     /// Same as forward pass but normalizes the output
