@@ -9,7 +9,7 @@
 //! (`more.rs`); MixFormer (Phi-1.5), Stella v5, Nomic BERT, Jina BERT,
 //! ChatGLM3, GLM-4 (new layout), CodeGeeX4, LFM2, GPT-BigCode, llama2.c,
 //! RecurrentGemma and Granite-MoE-Hybrid (`rest.rs`); and Gemma 4 (text),
-//! Based, RWKV v5 and v6, Mamba 2, Marian, DeBERTa v2 and SmolLM3 (`rest2.rs`), in
+//! Based, RWKV v5 and v6, Mamba 2, Marian, DeBERTa v2, SmolLM3, Yi and MPT (`rest2.rs`), in
 //! fp32 and bf16: every parameter gets a gradient at every step, every loss
 //! is finite and falls (`tests/user_crate/src/main.rs` checks and prints
 //! them).
@@ -184,6 +184,10 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("debertav2", "bf16", 42),
         ("smollm3", "no", 21),
         ("smollm3", "bf16", 21),
+        ("yi", "no", 21),
+        ("yi", "bf16", 21),
+        ("mpt", "no", 14),
+        ("mpt", "bf16", 14),
     ];
     let want: Vec<(String, String, u64)> = want
         .iter()

@@ -4,7 +4,7 @@
 //! Gemma, GLM-4, DeepSeek-V2, Granite, Mamba and XLM-RoBERTa; (rest.rs) MixFormer, Stella v5,
 //! Nomic BERT, Jina BERT, ChatGLM3, GLM-4 (new layout), CodeGeeX4, LFM2, GPT-BigCode, llama2.c,
 //! RecurrentGemma and Granite-MoE-Hybrid; (rest2.rs) Gemma 4 (text), Based, RWKV v5 and v6,
-//! Mamba 2, Marian, DeBERTa v2 and SmolLM3; built
+//! Mamba 2, Marian, DeBERTa v2, SmolLM3, Yi and MPT; built
 //! with the Accelerator's VarBuilder and trained
 //! with AdamW, in fp32 and bf16. Prints one JSON line per run and fails unless every parameter
 //! gets a gradient at every step (experts included: 32 tokens over 4 experts) and the loss is
@@ -92,7 +92,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
             rest::forward(which, vb, &varmap, &dev)?.expect("built in rest.rs")
         }
         "gemma4" | "based" | "rwkv_v5" | "rwkv_v6" | "mamba2" | "marian" | "debertav2"
-        | "smollm3" => rest2::forward(which, vb, &varmap, &dev)?.expect("built in rest2.rs"),
+        | "smollm3" | "yi" | "mpt" => rest2::forward(which, vb, &varmap, &dev)?.expect("built in rest2.rs"),
         "bert" => {
             let model = bert::BertModel::load(vb.pp("bert"), &bert_config()?)?;
             let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
@@ -503,6 +503,8 @@ fn main() -> Result<()> {
         "marian",
         "debertav2",
         "smollm3",
+        "yi",
+        "mpt",
     ] {
         // Names on the command line run only those models.
         if !only.is_empty() && !only.iter().any(|o| o == which) {

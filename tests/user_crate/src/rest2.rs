@@ -1,15 +1,15 @@
 //! The recurrent and encoder-decoder end of candle-transformers' text zoo: Gemma 4 (text),
 //! Based (short convolution, Taylor linear attention, sliding window), RWKV v5 and v6 (their
 //! recurrent step unrolled over the sequence), Mamba 2 (the chunked SSD prefill), Marian
-//! (translation), DeBERTa v2 (disentangled attention, sequence classification) and SmolLM3
-//! (NoPE layers), each built with tiny shapes as a user would.
+//! (translation), DeBERTa v2 (disentangled attention, sequence classification), SmolLM3
+//! (NoPE layers), Yi and MPT (ALiBi), each built with tiny shapes as a user would.
 
 use accel_core::Accelerator;
 use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::{
-    based, debertav2, gemma4, mamba2, marian, rwkv_v5, rwkv_v6, smol::smollm3,
+    based, debertav2, gemma4, mamba2, marian, mpt, rwkv_v5, rwkv_v6, smol::smollm3, yi,
 };
 use serde_json::json;
 use std::cell::RefCell;
@@ -200,6 +200,34 @@ pub fn forward(
                 let mut m = m.borrow_mut();
                 m.clear_kv_cache();
                 last_loss(m.forward(&long, 0)?, &next)
+            })
+        }
+        "yi" => {
+            // Its cache has no reset: the model is rebuilt from the same variables each step.
+            let cfg: yi::Config = serde_json::from_value(json!({
+                "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "hidden_act": "silu", "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0
+            }))?;
+            yi::Model::new(&cfg, vb.clone())?; // the variables, before the Accelerator prepares them
+            Box::new(move |_: &Accelerator| {
+                let mut m = yi::Model::new(&cfg, vb.clone())?;
+                last_loss(m.forward(&long, 0)?, &next)
+            })
+        }
+        "mpt" => {
+            // ALiBi attention, grouped keys and values, the head tied to the embedding; rebuilt
+            // each step as Yi (its cache has no reset).
+            let cfg: mpt::Config = serde_json::from_value(json!({
+                "d_model": 32, "n_heads": 4, "n_layers": 2, "expansion_ratio": 2,
+                "max_seq_len": 64, "vocab_size": 64, "kv_n_heads": 2, "attn_prefix_lm": false,
+                "attn_alibi": true, "attn_alibi_bias_max": 8
+            }))?;
+            mpt::Model::new(&cfg, vb.clone())?;
+            Box::new(move |_: &Accelerator| {
+                let mut m = mpt::Model::new(&cfg, vb.clone())?;
+                loss(m.forward(&long)?, &next)
             })
         }
         _ => return Ok(None),

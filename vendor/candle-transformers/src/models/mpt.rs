@@ -13,7 +13,9 @@ use candle::{DType, Device, IndexOp, Module, Result, Tensor, D};
 use candle_nn::{layer_norm, LayerNorm, VarBuilder};
 
 // https://huggingface.co/replit/replit-code-v1_5-3b/blob/main/configuration_mpt.py
-#[derive(Debug, Clone, PartialEq)]
+// accel-rs patch: `Deserialize`, so a crate outside this one can build a config (the fields are
+// crate-private and the constructors give only the published sizes).
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
 pub struct Config {
     pub(crate) d_model: usize,
     pub(crate) n_heads: usize,
@@ -123,6 +125,8 @@ impl GroupedQueryAttention {
             let start_k = a_k.saturating_sub(s_k);
             self.attn_bias.i((.., .., start_q.., start_k..))?
         };
+        // accel-rs patch: the f32 ALiBi bias in the scores' dtype (bf16 scores failed to add it).
+        let attn_bias = attn_bias.to_dtype(attn_weights.dtype())?;
         let attn_weights = attn_weights.broadcast_add(&attn_bias)?;
         let attn_weights = match mask {
             None => attn_weights,
@@ -292,7 +296,10 @@ pub(crate) fn get_mask(size: usize, device: &Device) -> Result<Tensor> {
 
 pub(crate) fn masked_fill(on_false: &Tensor, mask: &Tensor, on_true: f32) -> Result<Tensor> {
     let shape = mask.shape();
-    let on_true = Tensor::new(on_true, on_false.device())?.broadcast_as(shape.dims())?;
+    // accel-rs patch: the fill value in `on_false`'s dtype (an f32 one failed against bf16).
+    let on_true = Tensor::new(on_true, on_false.device())?
+        .to_dtype(on_false.dtype())?
+        .broadcast_as(shape.dims())?;
     let m = mask.where_cond(&on_true, on_false)?;
     Ok(m)
 }

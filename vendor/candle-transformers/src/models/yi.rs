@@ -20,7 +20,9 @@ use candle::{DType, Device, Module, Result, Tensor, D};
 use candle_nn::{Activation, VarBuilder};
 use std::sync::Arc;
 
-#[derive(Debug, Clone, PartialEq)]
+// accel-rs patch: `Deserialize`, so a crate outside this one can build a config (the fields are
+// crate-private and the constructors give only the published sizes).
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
 pub struct Config {
     pub(crate) vocab_size: usize,
     pub(crate) hidden_size: usize,
