@@ -136,6 +136,7 @@ pub struct TrainingArguments {
     pub save_total_limit: Option<usize>,
     /// Every machine keeps its own copy of each checkpoint, for jobs without
     /// shared storage ([`ProjectConfiguration::save_on_each_node`]).
+    #[serde(default)]
     pub save_on_each_node: bool,
     /// Seed of initialisation and data order.
     pub seed: u64,

@@ -204,4 +204,12 @@ fn transformers_json_arguments_load_with_paths_bools_and_prefixed_keys() {
         c.init_kwargs.unwrap().timeout,
         std::time::Duration::from_secs(60)
     );
+    // Absent, `save_on_each_node` is off (transformers' default); set, it
+    // reaches the project configuration.
+    assert!(!c.project.save_on_each_node);
+    let each = TrainingArguments {
+        save_on_each_node: true,
+        ..a
+    };
+    assert!(each.accelerator_config().unwrap().project.save_on_each_node);
 }
