@@ -233,9 +233,28 @@ fn a_rank_killed_during_a_save_restarts_from_the_last_complete_checkpoint() {
     assert_resumed_bitwise(&out, &calm, &hit);
 }
 
+/// Four CPU ranks of one thread each.
+const FOUR_RANKS: [&str; 5] = [
+    "--num_processes",
+    "4",
+    "--cpu",
+    "--num_cpu_threads_per_process",
+    "1",
+];
+
+/// The main job's 60 steps, a checkpoint every 25.
+const EVERY_25: [&str; 6] = [
+    "--steps",
+    "60",
+    "--batch-size",
+    "8",
+    "--checkpoint-every",
+    "25",
+];
+
 /// One launcher per "machine" on loopback, each in its own folder, so a
 /// relative `--out` is that machine's own disk: 2 machines of 2 ranks, with
-/// `--save-on-each-node`, 60 steps, a checkpoint every 25.
+/// `--save-on-each-node`.
 fn launch_machines(root: &Path, port: u16, extra: &[&str]) -> Vec<Child> {
     (0..2)
         .map(|m| {
@@ -248,22 +267,9 @@ fn launch_machines(root: &Path, port: u16, extra: &[&str]) -> Vec<Child> {
                 .arg(m.to_string())
                 .args(["--main_process_ip", "127.0.0.1", "--main_process_port"])
                 .arg(port.to_string())
-                .args([
-                    "--num_processes",
-                    "4",
-                    "--cpu",
-                    "--num_cpu_threads_per_process",
-                    "1",
-                ])
+                .args(FOUR_RANKS)
                 .arg(GPT)
-                .args([
-                    "--steps",
-                    "60",
-                    "--batch-size",
-                    "8",
-                    "--checkpoint-every",
-                    "25",
-                ])
+                .args(EVERY_25)
                 .args(["--save-on-each-node", "--out", "out"])
                 .args(extra)
                 .env("ACCEL_JOB_TOKEN", "both-machines-share-it")
@@ -287,34 +293,18 @@ fn free_port() -> u16 {
 fn save_on_each_node_keeps_a_copy_on_every_machine_and_a_resume_reads_its_own() {
     let dir = tempfile::tempdir().unwrap();
     let calm = dir.path().join("calm");
-    let four = |out: &Path, extra: &[&str]| {
-        Command::new(LAUNCH)
-            .args([
-                "launch",
-                "--num_processes",
-                "4",
-                "--cpu",
-                "--num_cpu_threads_per_process",
-                "1",
-            ])
-            .arg(GPT)
-            .args([
-                "--steps",
-                "60",
-                "--batch-size",
-                "8",
-                "--checkpoint-every",
-                "25",
-                "--out",
-            ])
-            .arg(out)
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    finish(four(&calm, &[]));
+    let calm_run = Command::new(LAUNCH)
+        .arg("launch")
+        .args(FOUR_RANKS)
+        .arg(GPT)
+        .args(EVERY_25)
+        .arg("--out")
+        .arg(&calm)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    finish(calm_run);
 
     // Both machines are stopped (SIGTERM to each launcher) past the
     // checkpoint of step 25: every rank saves the step it is at.
