@@ -73,11 +73,16 @@ fn srun_variables_join_the_job_as_accel_launch_does() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, want) = launched(tmp.path());
     let (port, token) = (free_port(), token_file(tmp.path()));
+    // Written once: writing the ids file again for the second rank could
+    // truncate it under the first one's read.
+    let args = worker_args(tmp.path());
     let mut children = vec![];
     for rank in 0..2 {
         let mut cmd = Command::new(WORKER);
         single_threaded(&mut cmd);
-        cmd.args(worker_args(tmp.path()))
+        // A rank whose peer failed gives up within minutes, not 30.
+        cmd.env("ACCEL_DIST_TIMEOUT", "120");
+        cmd.args(&args)
             .env("SLURM_PROCID", rank.to_string())
             .env("SLURM_NTASKS", "2")
             .env("SLURM_LOCALID", rank.to_string())
