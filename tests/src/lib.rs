@@ -273,3 +273,12 @@ pub fn parse_run(stdout: &str) -> (serde_json::Value, Vec<f64>) {
         .collect();
     (setup, losses)
 }
+
+/// A loopback port free at the time of asking (the kernel picks it).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

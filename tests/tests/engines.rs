@@ -21,14 +21,6 @@ fn worker_args(dir: &Path) -> Vec<String> {
     accel_tests::finetune_hf_args(&ids(dir), 4)
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// One thread per rank, as `accel launch` gives two ranks on two cores here.
 fn single_threaded(cmd: &mut Command) {
     cmd.env("OMP_NUM_THREADS", "1")
@@ -72,7 +64,7 @@ fn token_file(dir: &Path) -> PathBuf {
 fn srun_variables_join_the_job_as_accel_launch_does() {
     let tmp = tempfile::tempdir().unwrap();
     let (_, want) = launched(tmp.path());
-    let (port, token) = (free_port(), token_file(tmp.path()));
+    let (port, token) = (accel_tests::free_port(), token_file(tmp.path()));
     // Written once: writing the ids file again for the second rank could
     // truncate it under the first one's read.
     let args = worker_args(tmp.path());
@@ -157,7 +149,7 @@ fn a_real_mpirun_joins_the_job_as_accel_launch_does() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let (_, want) = launched(tmp.path());
-    let (port, token) = (free_port(), token_file(tmp.path()));
+    let (port, token) = (accel_tests::free_port(), token_file(tmp.path()));
     let mut cmd = Command::new("mpirun");
     single_threaded(&mut cmd);
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])

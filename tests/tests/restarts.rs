@@ -281,14 +281,6 @@ fn launch_machines(root: &Path, port: u16, extra: &[&str]) -> Vec<Child> {
         .collect()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[test]
 fn save_on_each_node_keeps_a_copy_on_every_machine_and_a_resume_reads_its_own() {
     let dir = tempfile::tempdir().unwrap();
@@ -308,7 +300,7 @@ fn save_on_each_node_keeps_a_copy_on_every_machine_and_a_resume_reads_its_own() 
 
     // Both machines are stopped (SIGTERM to each launcher) past the
     // checkpoint of step 25: every rank saves the step it is at.
-    let port = free_port();
+    let port = accel_tests::free_port();
     let hit = launch_machines(dir.path(), port, &[]);
     let nodes: Vec<PathBuf> = (0..2)
         .map(|m| dir.path().join(format!("node{m}/out")))
@@ -352,7 +344,7 @@ fn save_on_each_node_keeps_a_copy_on_every_machine_and_a_resume_reads_its_own() 
 
     // Resumed, each machine from its own copy: the weights of a run never
     // interrupted.
-    for mut child in launch_machines(dir.path(), free_port(), &["--resume"]) {
+    for mut child in launch_machines(dir.path(), accel_tests::free_port(), &["--resume"]) {
         assert!(child.wait().unwrap().success());
     }
     let log = std::fs::read_to_string(dir.path().join("node0/launch.out")).unwrap();
