@@ -94,7 +94,10 @@ impl LinearOp {
             None => match as_bf16(w.0, w.1) {
                 // bf16 weights on AVX-512 BF16 without AMX: packed as they lie.
                 Some(ws) if bf16 && n >= linear_bf16::MIN_ROWS && linear_bf16::available() => {
-                    let xs = linear_bf16::Rows::Bf16(as_bf16(x.0, x.1).expect("bf16 x"));
+                    let Some(xs) = as_bf16(x.0, x.1) else {
+                        bail!("linear: bf16 products need a contiguous bf16 x")
+                    };
+                    let xs = linear_bf16::Rows::Bf16(xs);
                     if b.is_none() && matches!(self.act, Act::None) {
                         // Rounded to the bf16 output as the product is
                         // transposed, with no f32 copy of it.
