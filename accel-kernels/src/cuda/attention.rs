@@ -21,6 +21,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
+use super::args::{BackwardInputs, FlashArgs, FlashDims};
 use super::launch::launch_flash;
 use super::{device_cc, KernelId, WrapDriver};
 use crate::{Error, Result};
@@ -28,8 +29,6 @@ use crate::{Error, Result};
 /// The largest head dimension the kernels take (`FA_DMAX`): each tile row
 /// is staged whole in shared memory.
 pub const FLASH_MAX_HEAD_DIM: usize = 128;
-/// Warps per block of the tiled kernels (`FA_WARPS`).
-pub(crate) const FLASH_WARPS: u32 = 4;
 /// Query rows per block of the forward (`FA_FWD_BR`), of dq (`FA_DQ_BR`),
 /// and keys per block of dk/dv (`FA_KV_BC`).
 const FWD_ROWS: usize = 32;
@@ -49,96 +48,6 @@ pub struct FlashMask {
     /// With `causal_offset`, a sliding window: key `j` visible from query
     /// `i` only when `offset + i - j < window`.
     pub window: Option<usize>,
-}
-
-/// `struct FlashDims` of `attention.cu`, passed by value.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct FlashDims {
-    pub b: u32,
-    pub h: u32,
-    pub kvh: u32,
-    pub t: u32,
-    pub s: u32,
-    pub d: u32,
-    pub causal: u32,
-    pub offset: u32,
-    pub scale: f32,
-    pub has_bias: u32,
-    pub window: u32,
-    pub pad0: u32,
-    pub qs: [u64; 3],
-    pub ks: [u64; 3],
-    pub vs: [u64; 3],
-    pub bs: [u64; 4],
-}
-
-const _: () = assert!(std::mem::size_of::<FlashDims>() == 152);
-
-impl FlashDims {
-    /// Elements of q, the output and their gradients.
-    pub(crate) fn q_elems(&self) -> usize {
-        self.q_rows() * self.d as usize
-    }
-
-    /// Query rows over all heads (the log-sum-exps).
-    pub(crate) fn q_rows(&self) -> usize {
-        (self.b * self.h) as usize * self.t as usize
-    }
-
-    /// Elements of k, v and their gradients.
-    pub(crate) fn kv_elems(&self) -> usize {
-        (self.b * self.kvh) as usize * self.s as usize * self.d as usize
-    }
-}
-
-/// The arguments of each kernel of `attention.cu`, in its parameter order.
-pub(crate) enum FlashArgs<'a, T> {
-    /// `flash_fwd_*(q, k, v, bias, o, lse, dims)`.
-    Forward {
-        q: &'a CudaView<'a, T>,
-        k: &'a CudaView<'a, T>,
-        v: &'a CudaView<'a, T>,
-        bias: &'a CudaView<'a, f32>,
-        o: &'a mut CudaSlice<T>,
-        lse: &'a mut CudaSlice<f32>,
-        dims: &'a FlashDims,
-        tiles: u32,
-    },
-    /// `flash_delta_*(o, g, delta, rows, d)`.
-    Delta {
-        o: &'a CudaView<'a, T>,
-        g: &'a CudaView<'a, T>,
-        delta: &'a mut CudaSlice<f32>,
-        dims: &'a FlashDims,
-    },
-    /// `flash_dq_*(q, k, v, bias, g, lse, delta, dq, dims)`.
-    Dq {
-        ins: &'a BackwardInputs<'a, T>,
-        dq: &'a mut CudaSlice<T>,
-        dims: &'a FlashDims,
-        tiles: u32,
-    },
-    /// `flash_dkdv_*(q, k, v, bias, g, lse, delta, dk, dv, dims)`.
-    Dkdv {
-        ins: &'a BackwardInputs<'a, T>,
-        dk: &'a mut CudaSlice<T>,
-        dv: &'a mut CudaSlice<T>,
-        dims: &'a FlashDims,
-        tiles: u32,
-    },
-}
-
-/// What both backward kernels read, in their parameter order: q, k, v, the
-/// bias, the output gradient `g`, the log-sum-exps and the row dots.
-pub(crate) struct BackwardInputs<'a, T> {
-    pub q: CudaView<'a, T>,
-    pub k: CudaView<'a, T>,
-    pub v: CudaView<'a, T>,
-    pub bias: CudaView<'a, f32>,
-    pub g: CudaView<'a, T>,
-    pub lse: CudaView<'a, f32>,
-    pub delta: CudaSlice<f32>,
 }
 
 fn invalid(op: &'static str, reason: String) -> Error {

@@ -16,12 +16,11 @@ use cudarc::driver::{
     result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 
-use super::attention::FLASH_WARPS;
-use super::attention::{BackwardInputs, FlashArgs, FlashDims};
-use super::loss::LossArgs;
+use super::args::{
+    BackwardInputs, FlashArgs, FlashDims, LossArgs, PointwiseArgs, RowArgs, FLASH_WARPS,
+    ROWS_PER_PARTIAL,
+};
 use super::operands::Table;
-use super::pointwise::PointwiseArgs;
-use super::row_args::{RowArgs, ROWS_PER_PARTIAL};
 use super::{function, KernelId, WrapDriver};
 use crate::{Error, Result};
 

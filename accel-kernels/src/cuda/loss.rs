@@ -8,42 +8,11 @@ use candle_core::cuda::CudaStorage;
 use candle_core::Layout;
 use cudarc::driver::{CudaSlice, CudaView};
 
+use super::args::LossArgs;
 use super::launch::launch_loss;
-use super::rows::f32_view;
+use super::operands::f32_view;
 use super::WrapDriver;
 use crate::{Error, Result};
-
-/// The arguments of each kernel of `loss.cu`, in its parameter order.
-pub(crate) enum LossArgs<'a> {
-    /// `xent_rows(x, t, lse, loss, rows, c)`.
-    Rows {
-        x: &'a CudaView<'a, f32>,
-        t: &'a CudaView<'a, u32>,
-        lse: &'a mut CudaSlice<f32>,
-        loss: &'a mut CudaSlice<f32>,
-        rows: u32,
-        c: u32,
-    },
-    /// `xent_mean(loss, t, mean, count, rows)`.
-    Mean {
-        loss: &'a CudaSlice<f32>,
-        t: &'a CudaView<'a, u32>,
-        mean: &'a mut CudaSlice<f32>,
-        count: &'a mut CudaSlice<f32>,
-        rows: u32,
-    },
-    /// `xent_grad(x, t, lse, dy, count, dx, rows, c)`.
-    Grad {
-        x: &'a CudaView<'a, f32>,
-        t: &'a CudaView<'a, u32>,
-        lse: &'a CudaSlice<f32>,
-        dy: &'a CudaView<'a, f32>,
-        count: &'a CudaSlice<f32>,
-        dx: &'a mut CudaSlice<f32>,
-        rows: u32,
-        c: u32,
-    },
-}
 
 /// `(rows, classes)` of `[n, c]` logits with `[n]` targets.
 fn dims(op: &'static str, xl: &Layout, tl: &Layout) -> Result<(u32, u32)> {

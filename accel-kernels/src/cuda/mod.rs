@@ -61,6 +61,7 @@
 //! storage with other tensors of the call ([`Error::AliasedStorage`]), as
 //! on the CPU.
 
+mod args;
 mod attention;
 mod launch;
 mod loss;
@@ -68,7 +69,6 @@ mod operands;
 mod ops;
 mod pointwise;
 mod pool;
-mod row_args;
 mod rows;
 
 use std::collections::HashMap;

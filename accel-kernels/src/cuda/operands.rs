@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{CudaStream, CudaView, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::chunk_len;
 use crate::{Error, Result};
@@ -321,6 +321,26 @@ pub(crate) fn by_dtype(ts: &[Tensor]) -> Vec<(DType, Vec<usize>)> {
         })
         .filter(|(_, idx)| !idx.is_empty())
         .collect()
+}
+
+/// The contiguous f32 elements of `(s, l)` as a view; `index` names the
+/// operand in errors.
+pub(crate) fn f32_view<'a>(
+    op: &'static str,
+    index: usize,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<CudaView<'a, f32>> {
+    let slice = s
+        .as_cuda_slice::<f32>()
+        .map_err(|_| Error::UnsupportedDType {
+            op,
+            dtype: s.dtype(),
+        })?;
+    let (start, end) = l
+        .contiguous_offsets()
+        .ok_or(Error::RequiresContiguous { op, index })?;
+    Ok(slice.slice(start..end))
 }
 
 #[cfg(test)]

@@ -8,60 +8,14 @@
 
 use candle_core::cuda::CudaStorage;
 use candle_core::Layout;
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::CudaSlice;
 
+use super::args::PointwiseArgs;
 use super::launch::launch_pointwise;
-use super::rows::f32_view;
+use super::operands::f32_view;
 use super::WrapDriver;
 pub use crate::activation::Activation;
 use crate::{Error, Result};
-
-/// The arguments of each kernel of `act.cu`, in its parameter order; the
-/// lengths are checked against `n` before launching.
-pub(crate) enum PointwiseArgs<'a> {
-    /// `swiglu_fwd(g, u, y, n)`.
-    SwigluForward {
-        g: &'a CudaView<'a, f32>,
-        u: &'a CudaView<'a, f32>,
-        y: &'a mut CudaSlice<f32>,
-        n: u64,
-    },
-    /// `swiglu_bwd(g, u, dy, dgu, n)`.
-    SwigluBackward {
-        g: &'a CudaView<'a, f32>,
-        u: &'a CudaView<'a, f32>,
-        dy: &'a CudaView<'a, f32>,
-        dgu: &'a mut CudaSlice<f32>,
-        n: u64,
-    },
-    /// `act_fwd(x, y, n, act)`.
-    ActForward {
-        x: &'a CudaView<'a, f32>,
-        y: &'a mut CudaSlice<f32>,
-        n: u64,
-        act: i32,
-    },
-    /// `rope_f32(x, cos, sin, y, rows, t, d, interleaved, sign)`.
-    Rope {
-        x: &'a CudaView<'a, f32>,
-        cos: &'a CudaView<'a, f32>,
-        sin: &'a CudaView<'a, f32>,
-        y: &'a mut CudaSlice<f32>,
-        rows: u64,
-        t: u32,
-        d: u32,
-        interleaved: bool,
-        sign: f32,
-    },
-    /// `act_bwd(x, dy, dx, n, act)`.
-    ActBackward {
-        x: &'a CudaView<'a, f32>,
-        dy: &'a CudaView<'a, f32>,
-        dx: &'a mut CudaSlice<f32>,
-        n: u64,
-        act: i32,
-    },
-}
 
 /// The element count every operand must share.
 fn same_shape(op: &'static str, layouts: &[&Layout]) -> Result<usize> {

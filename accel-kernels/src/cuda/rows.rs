@@ -9,35 +9,15 @@
 //! Operands go to the kernels as cudarc views, so cudarc's per-allocation
 //! events order them against other streams like any candle op.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
 use candle_core::Layout;
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::CudaSlice;
 
+use super::args::{RowArgs, ROWS_PER_PARTIAL};
 use super::launch::launch_rows;
-use super::row_args::{RowArgs, ROWS_PER_PARTIAL};
+use super::operands::f32_view;
 use super::WrapDriver;
 use crate::{Error, Result};
-
-/// The contiguous f32 elements of `(s, l)` as a view; `index` names the
-/// operand in errors.
-pub(super) fn f32_view<'a>(
-    op: &'static str,
-    index: usize,
-    s: &'a CudaStorage,
-    l: &Layout,
-) -> Result<CudaView<'a, f32>> {
-    let slice = s
-        .as_cuda_slice::<f32>()
-        .map_err(|_| Error::UnsupportedDType {
-            op,
-            dtype: s.dtype(),
-        })?;
-    let (start, end) = l
-        .contiguous_offsets()
-        .ok_or(Error::RequiresContiguous { op, index })?;
-    Ok(slice.slice(start..end))
-}
 
 /// `(rows, d)` of `x` normalised over its last dimension with a `[d]`
 /// weight (and bias).
