@@ -24,7 +24,8 @@
 #    norm and RMS norm kernels against the composed ops and the CPU kernel's gradients;
 #    the patched candle-nn's fused-op backward on CUDA against the CPU's (nn-cuda-candle-grads);
 #    the activation, rope, softmax and loss kernels (nn-cuda-activations) and the tiled attention
-#    kernels (nn-cuda-attention) against the CPU kernels and their gradients;
+#    kernels (nn-cuda-attention) against the CPU kernels and their gradients; the 4-bit and
+#    8-bit products of quant.cu against the CPU kernels (nn-cuda-quant);
 #    accel-core: set_seed seeds candle's CUDA generator;
 # 4. DDP buckets and the parameter broadcast on CUDA tensors of one GPU shared by two
 #    processes over TCP (staged through host memory), f32/bf16/f16, with compression;
@@ -229,6 +230,7 @@ run_step nn-hooks-test 60 test_bin accel_nn.lib --ignored cpu_offload_with_hook
 run_step nn-cuda-norms 60 test_bin accel_nn.lib --ignored cuda_norms
 run_step nn-cuda-activations 60 test_bin accel_nn.lib --ignored cuda_swiglu cuda_activations cuda_rope cuda_softmax cuda_cross_entropy cuda_linear_cross_entropy
 run_step nn-cuda-attention 120 test_bin accel_nn.lib --ignored cuda_attention
+run_step nn-cuda-quant 60 test_bin accel_nn.lib --ignored cuda_quantized
 run_step nn-cuda-candle-grads 60 test_bin accel_nn.lib --ignored cuda_candle_nn_backward
 run_step core-test 60 test_bin accel_core.lib --ignored set_seed_makes_cuda_randn_repeat
 

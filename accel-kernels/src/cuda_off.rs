@@ -6,6 +6,7 @@
 use candle_core::{CudaStorage, DType, Device, Layout, Storage, Tensor};
 
 use crate::hyperparams::{AdamWScalars, SgdScalars};
+pub use crate::quant_weight::{Operand, QuantMaxima, QuantWeight, QUANT_TILE_ELEMS};
 use crate::{Error, Result};
 
 fn off<T>() -> Result<T> {
@@ -321,5 +322,31 @@ pub fn flash_attention_backward(
     _bias: Option<(&CudaStorage, &Layout)>,
     _mask: FlashMask,
 ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    off()
+}
+
+/// `x W^T` through a quantized weight on a CUDA device; this build has no
+/// CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn quantized_matmul(
+    _x: Operand<'_>,
+    _w: &QuantWeight<'_>,
+    _tile_elems: usize,
+) -> Result<CudaStorage> {
+    off()
+}
+
+/// `dy W` through a quantized weight on a CUDA device; this build has no
+/// CUDA support.
+///
+/// # Errors
+/// Always [`Error::NotCompiled`].
+pub fn quantized_matmul_grad(
+    _dy: Operand<'_>,
+    _w: &QuantWeight<'_>,
+    _tile_elems: usize,
+) -> Result<CudaStorage> {
     off()
 }

@@ -69,6 +69,7 @@ mod hyperparams;
 mod multi_tensor;
 mod optim;
 pub mod par;
+mod quant_weight;
 mod slices;
 mod validate;
 

@@ -143,6 +143,10 @@ inline u32 __float_as_uint(float f) {
     return u;
 }
 inline u32 min(u32 a, u32 b) { return a < b ? a : b; }
+// Round-to-nearest products and sums that the compiler may not contract (ISO C++ mode: g++
+// contracts nothing, and x86-64 without -mfma has no FMA to contract to).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 // expf, logf and fmaxf are <cmath>'s (C's, in the global namespace).
 
 // The element types of common.cuh, with the same rounding (nearest even; bf16 NaN canonical).

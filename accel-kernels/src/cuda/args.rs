@@ -244,3 +244,85 @@ pub(crate) struct BackwardInputs<'a, T> {
     pub lse: CudaView<'a, f32>,
     pub delta: CudaSlice<f32>,
 }
+
+/// Rows of `x` the few-row product off the 4-bit codes takes (`GEMV_ROWS`
+/// in `quant.cu`), and output rows (warps) per block (`GEMV_WARPS`).
+pub(crate) const GEMV_ROWS: usize = 8;
+/// See [`GEMV_ROWS`].
+pub(crate) const GEMV_WARPS: u32 = 8;
+
+/// `struct QuantCodes` of `quant.cu`, passed by value: the 4-bit type's
+/// code book and bitsandbytes' 8-bit dynamic map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct QuantCodes {
+    pub codes: [f32; 16],
+    pub map: [f32; 256],
+}
+
+const _: () = assert!(std::mem::size_of::<QuantCodes>() == 1088);
+
+/// `struct QuantDims` of `quant.cu`, passed by value: the weight, the tile
+/// a launch writes (rows `r0..r0 + rows`, columns `k0..k0 + cols`), and how
+/// its values are made.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct QuantDims {
+    pub out: u64,
+    pub inp: u64,
+    pub r0: u64,
+    pub k0: u64,
+    pub rows: u32,
+    pub cols: u32,
+    pub blocksize: u32,
+    /// Block maxima per nested maximum; 0 for f32 maxima.
+    pub nested_per: u32,
+    pub offset: f32,
+    /// The dtype quantized from: 0 f32, 1 bf16, 2 f16.
+    pub store: u32,
+    /// Rows of `x` (`gemv4_*`).
+    pub n: u32,
+    pub pad: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<QuantDims>() == 64);
+
+/// The block maxima of a 4-bit weight as the kernels read them: f32
+/// maxima, or 8-bit codes of them with the nested f32 maxima (the pointer
+/// the other form would use is never read: any live view fills it).
+pub(crate) enum QuantScales<'a> {
+    F32(&'a CudaView<'a, f32>),
+    Nested {
+        codes: &'a CudaView<'a, u8>,
+        nested: &'a CudaView<'a, f32>,
+    },
+}
+
+/// The arguments of each kernel of `quant.cu`, in its parameter order;
+/// `T` is the output's (and `x`'s) element type.
+pub(crate) enum QuantArgs<'a, T> {
+    /// `dequant4_*(packed, absmax, absmax_codes, nested, dims, codes, dst)`.
+    Dequant4 {
+        packed: &'a CudaView<'a, u8>,
+        scales: QuantScales<'a>,
+        dims: &'a QuantDims,
+        codes: &'a QuantCodes,
+        dst: &'a mut CudaSlice<T>,
+    },
+    /// `dequant8_*(codes, row_max, dims, dst)`.
+    Dequant8 {
+        codes: &'a CudaView<'a, u8>,
+        row_max: &'a CudaView<'a, f32>,
+        dims: &'a QuantDims,
+        dst: &'a mut CudaSlice<T>,
+    },
+    /// `gemv4_*(x, packed, absmax, absmax_codes, nested, dims, codes, y)`.
+    Gemv4 {
+        x: &'a CudaView<'a, T>,
+        packed: &'a CudaView<'a, u8>,
+        scales: QuantScales<'a>,
+        dims: &'a QuantDims,
+        codes: &'a QuantCodes,
+        y: &'a mut CudaSlice<T>,
+    },
+}

@@ -13,12 +13,13 @@ use candle_core::cuda::CudaDevice;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    result, sys, CudaContext, CudaSlice, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
+    result, sys, CudaContext, CudaSlice, CudaView, DeviceRepr, LaunchArgs, LaunchConfig,
+    PushKernelArg,
 };
 
 use super::args::{
-    BackwardInputs, FlashArgs, FlashDims, LossArgs, PointwiseArgs, RowArgs, FLASH_WARPS,
-    ROWS_PER_PARTIAL,
+    BackwardInputs, FlashArgs, FlashDims, LossArgs, PointwiseArgs, QuantArgs, QuantCodes,
+    QuantDims, QuantScales, RowArgs, FLASH_WARPS, GEMV_ROWS, GEMV_WARPS, ROWS_PER_PARTIAL,
 };
 use super::operands::Table;
 use super::{function, KernelId, WrapDriver};
@@ -71,6 +72,12 @@ unsafe impl DeviceRepr for FlashDims {}
 // and layout to `struct Table` in common.cuh (both sides assert 2848
 // bytes), which every kernel takes by value as its first parameter.
 unsafe impl DeviceRepr for Table {}
+// SAFETY: `#[repr(C)]`: 16 then 256 f32s, identical to `struct QuantCodes`
+// in quant.cu (1088 bytes, asserted on both sides).
+unsafe impl DeviceRepr for QuantCodes {}
+// SAFETY: `#[repr(C)]`: four u64s then eight 4-byte fields, identical to
+// `struct QuantDims` in quant.cu (64 bytes, asserted on both sides).
+unsafe impl DeviceRepr for QuantDims {}
 
 /// The arguments after the table of each kernel family.
 pub(crate) enum Args<'a> {
@@ -800,4 +807,154 @@ fn push_backward_inputs<'a, 'b, T: DeviceRepr>(
         .arg(&ins.g)
         .arg(&ins.lse)
         .arg(&ins.delta)
+}
+
+/// Launches one kernel of `quant.cu` (`kernel`, of the output's element
+/// type `T`) on `dev`'s stream, after checking that every operand holds
+/// what `dims` makes the kernel read or write.
+pub(crate) fn launch_quant<T: DeviceRepr>(
+    op: &'static str,
+    dev: &CudaDevice,
+    kernel: KernelId,
+    args: QuantArgs<'_, T>,
+) -> Result<()> {
+    let bad = |what: &str| Error::InvalidArgument {
+        op,
+        reason: format!("internal: {what} does not fit its quantized-weight kernel"),
+    };
+    // The weight's element count, and that the tile lies inside it.
+    let weight = |d: &QuantDims| -> Result<usize> {
+        let inside = d.r0 + u64::from(d.rows) <= d.out && d.k0 + u64::from(d.cols) <= d.inp;
+        let n = d
+            .out
+            .checked_mul(d.inp)
+            .and_then(|n| usize::try_from(n).ok());
+        match n {
+            Some(n) if inside && d.store <= 2 => Ok(n),
+            _ => Err(bad("the tile or the weight's size")),
+        }
+    };
+    // The 4-bit weight's parts hold every block of it.
+    let four_bit = |d: &QuantDims, packed: &CudaView<'_, u8>, scales: &QuantScales| -> Result<()> {
+        let n = weight(d)?;
+        if d.blocksize == 0 || packed.len() < n.div_ceil(2) {
+            return Err(bad("the packed codes"));
+        }
+        let blocks = n.div_ceil(d.blocksize as usize);
+        let fits = match scales {
+            QuantScales::F32(a) => d.nested_per == 0 && a.len() >= blocks,
+            QuantScales::Nested { codes, nested } => {
+                d.nested_per > 0
+                    && codes.len() >= blocks
+                    && nested.len() >= blocks.div_ceil(d.nested_per as usize)
+            }
+        };
+        if fits {
+            Ok(())
+        } else {
+            Err(bad("the block maxima"))
+        }
+    };
+    let tile = |d: &QuantDims| LaunchConfig {
+        grid_dim: (
+            (u64::from(d.rows) * u64::from(d.cols))
+                .div_ceil(u64::from(BLOCK))
+                .clamp(1, u64::from(MAX_BLOCKS)) as u32,
+            1,
+            1,
+        ),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = dev.cuda_stream();
+    let func = function(dev, kernel)?;
+    let mut l = stream.launch_builder(&func);
+    // Pushes the three pointers of the maxima (`absmax`, `absmax_codes`,
+    // `nested`); the form not in use gets a live view it never reads.
+    fn push_scales<'a, 'b>(
+        l: &'b mut LaunchArgs<'a>,
+        packed: &'a CudaView<'a, u8>,
+        scales: &QuantScales<'a>,
+    ) -> &'b mut LaunchArgs<'a> {
+        match *scales {
+            QuantScales::F32(a) => l.arg(a).arg(packed).arg(a),
+            QuantScales::Nested { codes, nested } => l.arg(nested).arg(codes).arg(nested),
+        }
+    }
+    let cfg = match args {
+        QuantArgs::Dequant4 {
+            packed,
+            scales,
+            dims,
+            codes,
+            dst,
+        } => {
+            four_bit(dims, packed, &scales)?;
+            if dst.len() < dims.rows as usize * dims.cols as usize {
+                return Err(bad("the tile's buffer"));
+            }
+            push_scales(l.arg(packed), packed, &scales)
+                .arg(dims)
+                .arg(codes)
+                .arg(dst);
+            tile(dims)
+        }
+        QuantArgs::Dequant8 {
+            codes,
+            row_max,
+            dims,
+            dst,
+        } => {
+            let n = weight(dims)?;
+            if codes.len() < n || row_max.len() < dims.out as usize {
+                return Err(bad("the int8 codes or row maxima"));
+            }
+            if dst.len() < dims.rows as usize * dims.cols as usize {
+                return Err(bad("the tile's buffer"));
+            }
+            l.arg(codes).arg(row_max).arg(dims).arg(dst);
+            tile(dims)
+        }
+        QuantArgs::Gemv4 {
+            x,
+            packed,
+            scales,
+            dims,
+            codes,
+            y,
+        } => {
+            four_bit(dims, packed, &scales)?;
+            let n = dims.n as usize;
+            let short = x.len() < n * dims.inp as usize || y.len() < n * dims.out as usize;
+            if n == 0 || n > GEMV_ROWS || short {
+                return Err(bad("x or y"));
+            }
+            push_scales(l.arg(x).arg(packed), packed, &scales)
+                .arg(dims)
+                .arg(codes)
+                .arg(y);
+            LaunchConfig {
+                grid_dim: (
+                    u32::try_from(dims.out.div_ceil(u64::from(GEMV_WARPS)))
+                        .map_err(|_| bad("the output size"))?,
+                    1,
+                    1,
+                ),
+                block_dim: (32 * GEMV_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        }
+    };
+    // SAFETY: each variant pushes its kernel's parameters in order with the
+    // C types of `quant.cu` (device pointers to u8, f32 or the element type,
+    // `QuantDims` and `QuantCodes` by value). The kernels read the packed
+    // codes at `e / 2` and the maxima at `e / blocksize` (and
+    // `/ nested_per`) for flattened elements `e < out * inp` of the tile,
+    // x at `n * inp` and write `rows * cols` elements of the tile or
+    // `n * out` of y: the lengths checked above. The maxima form not in
+    // use is never read (`nested_per` says which). Blocks of 256 threads
+    // match `__launch_bounds__` of `gemv4_*` and the grid-stride loops of
+    // the others.
+    unsafe { l.launch(cfg) }.w(op, "launch")?;
+    Ok(())
 }

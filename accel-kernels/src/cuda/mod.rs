@@ -69,6 +69,7 @@ mod operands;
 mod ops;
 mod pointwise;
 mod pool;
+mod quant;
 mod rows;
 
 use std::collections::HashMap;
@@ -81,6 +82,7 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileError, CompileOptions, Ptx};
 
 use crate::{Error, Result};
 
+pub use crate::quant_weight::{Operand, QuantMaxima, QuantWeight, QUANT_TILE_ELEMS};
 pub use attention::{
     flash_attention_backward, flash_attention_forward, flash_supported, FlashMask,
     FLASH_MAX_HEAD_DIM,
@@ -96,6 +98,7 @@ pub use pool::{
     device_name, empty_cache, max_memory_allocated, mem_get_info, reset_peak_memory_stats,
     retain_freed_memory,
 };
+pub use quant::{quantized_matmul, quantized_matmul_grad};
 pub use rows::{row_norm_backward, row_norm_forward, softmax_rows, softmax_rows_backward};
 
 /// Smallest and largest chunk of a launch table, in elements. Chunk
@@ -142,10 +145,12 @@ pub(crate) enum ModuleId {
     Attention,
     /// `attention_mma.cu`: the attention forward and dq on tensor cores (sm_80+).
     AttentionMma,
+    /// `quant.cu`: tiles of 4-bit and 8-bit weights, the few-row 4-bit product.
+    Quant,
 }
 
 /// Name and source of every module, indexed by `ModuleId as usize`.
-const MODULES: [(&str, &str); 11] = [
+const MODULES: [(&str, &str); 12] = [
     ("cast", include_str!("cast.cu")),
     ("unscale", include_str!("unscale.cu")),
     ("optim", include_str!("optim.cu")),
@@ -157,6 +162,7 @@ const MODULES: [(&str, &str); 11] = [
     ("loss", include_str!("loss.cu")),
     ("attention", include_str!("attention.cu")),
     ("attention_mma", include_str!("attention_mma.cu")),
+    ("quant", include_str!("quant.cu")),
 ];
 
 /// The part the attention sources share, prepended to both (NVRTC has no
@@ -164,7 +170,7 @@ const MODULES: [(&str, &str); 11] = [
 const ATTENTION_SHARED: &str = include_str!("attention.cuh");
 
 /// Every module, in table order.
-pub(crate) const ALL_MODULES: [ModuleId; 11] = [
+pub(crate) const ALL_MODULES: [ModuleId; 12] = [
     ModuleId::Cast,
     ModuleId::Unscale,
     ModuleId::Optim,
@@ -176,6 +182,7 @@ pub(crate) const ALL_MODULES: [ModuleId; 11] = [
     ModuleId::Loss,
     ModuleId::Attention,
     ModuleId::AttentionMma,
+    ModuleId::Quant,
 ];
 
 impl ModuleId {
@@ -287,6 +294,15 @@ kernels! {
     FlashDqMmaBf16D128 => AttentionMma, "flash_dq_mma_bf16_d128";
     FlashDqMmaF16D64 => AttentionMma, "flash_dq_mma_f16_d64";
     FlashDqMmaF16D128 => AttentionMma, "flash_dq_mma_f16_d128";
+    Dequant4F32 => Quant, "dequant4_f32";
+    Dequant4Bf16 => Quant, "dequant4_bf16";
+    Dequant4F16 => Quant, "dequant4_f16";
+    Dequant8F32 => Quant, "dequant8_f32";
+    Dequant8Bf16 => Quant, "dequant8_bf16";
+    Dequant8F16 => Quant, "dequant8_f16";
+    Gemv4F32 => Quant, "gemv4_f32";
+    Gemv4Bf16 => Quant, "gemv4_bf16";
+    Gemv4F16 => Quant, "gemv4_f16";
 }
 
 /// Picks the kernel of a family for a dtype (the three float types).
@@ -379,6 +395,17 @@ impl KernelId {
             (DType::F16, 128) => [FlashFwdMmaF16D128, FlashDqMmaF16D128],
             _ => return None,
         })
+    }
+
+    /// The quantized-weight kernels with outputs of `dtype`: 4-bit tiles,
+    /// 8-bit tiles, and the few-row 4-bit product.
+    pub(crate) fn quant(dtype: DType) -> [KernelId; 3] {
+        use KernelId::*;
+        [
+            by_dtype(dtype, Dequant4F32, Dequant4Bf16, Dequant4F16),
+            by_dtype(dtype, Dequant8F32, Dequant8Bf16, Dequant8F16),
+            by_dtype(dtype, Gemv4F32, Gemv4Bf16, Gemv4F16),
+        ]
     }
 
     /// The attention kernels for operands of `dtype`: forward, the row

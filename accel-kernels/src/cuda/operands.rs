@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::{CudaDevice, CudaStorage, CudaStorageSlice};
+use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
 use cudarc::driver::{CudaStream, CudaView, DevicePtr, DevicePtrMut, SyncOnDrop};
 
@@ -331,8 +331,19 @@ pub(crate) fn f32_view<'a>(
     s: &'a CudaStorage,
     l: &Layout,
 ) -> Result<CudaView<'a, f32>> {
+    view(op, index, s, l)
+}
+
+/// The contiguous elements of `(s, l)`, of type `T`, as a view; `index`
+/// names the operand in errors.
+pub(crate) fn view<'a, T: CudaDType>(
+    op: &'static str,
+    index: usize,
+    s: &'a CudaStorage,
+    l: &Layout,
+) -> Result<CudaView<'a, T>> {
     let slice = s
-        .as_cuda_slice::<f32>()
+        .as_cuda_slice::<T>()
         .map_err(|_| Error::UnsupportedDType {
             op,
             dtype: s.dtype(),

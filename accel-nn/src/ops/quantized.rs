@@ -3,9 +3,14 @@
 use candle_core::{bail, DType, Result, Tensor};
 
 use super::activation::composed_activation;
-use super::{fused, linear::composed_linear, Activation};
+use super::{fused, fused_cuda, linear::composed_linear, Activation};
 use crate::kernels::{self, QuantTensors};
 use crate::layers::QuantizedWeight;
+
+/// Whether `quant.cu`'s products have passed on a GPU
+/// (`cuda_quantized_linear_matches_the_cpu_kernel`, in scripts/gpu_check.sh's
+/// `nn-cuda-quant` step); until then CUDA tensors take the composed path.
+const CUDA_QUANT_CHECKED: bool = false;
 
 /// A linear layer over a quantized weight (bitsandbytes' `Linear4bit` /
 /// `Linear8bitLt`): `x` is cast to the weight's compute dtype, multiplied,
@@ -13,8 +18,12 @@ use crate::layers::QuantizedWeight;
 /// the weight is frozen.
 ///
 /// On CPU the products dequantize tiles of the weight as they go (never the
-/// whole matrix); on other devices the weight is dequantized with candle
-/// ops for each call (correct everywhere, until its CUDA kernel lands).
+/// whole matrix). On CUDA, once `quant.cu` has passed its GPU check
+/// ([`CUDA_QUANT_CHECKED`]), bands of the weight are dequantized and
+/// multiplied by cuBLAS one at a time and a few rows read the codes
+/// directly; until then, and on other devices, the weight is dequantized
+/// with candle ops for each call (correct everywhere, but the graph keeps
+/// each dense copy for the backward).
 pub fn quantized_linear(
     x: &Tensor,
     w: &QuantizedWeight,
@@ -39,7 +48,7 @@ pub fn quantized_linear(
     };
     let n: usize = lead.iter().product();
     let x2 = xc.reshape((n, inp))?;
-    let y = if fused(&x2) {
+    let y = if fused(&x2) || (CUDA_QUANT_CHECKED && fused_cuda(&x2)) {
         kernels::quantized_linear(&x2, &w.tensors)?
     } else {
         let dense = composed_dequantize(&w.tensors, x2.device())?.to_dtype(x2.dtype())?;

@@ -155,3 +155,83 @@ fn lora_adapters_on_a_quantized_layer_get_the_dense_layer_s_gradients() -> Resul
     assert!(g1.get(layer.quantized().unwrap().packed()).is_none());
     Ok(())
 }
+
+/// `quant.cu`'s products on a GPU against the CPU kernels: 4-bit (NF4 with
+/// double quantization, FP4) and 8-bit weights whose rows straddle blocks,
+/// f32 and bf16 inputs, 3 rows (the few-row kernel off the codes) and 40
+/// (bands and cuBLAS), forward and the input's gradient; and the banded
+/// products with bands of a few rows or columns against one band. What
+/// must pass before `CUDA_QUANT_CHECKED`.
+#[test]
+#[ignore = "needs a CUDA GPU (run scripts/gpu_check.sh)"]
+fn cuda_quantized_linear_matches_the_cpu_kernel() -> Result<()> {
+    use candle_core::backend::BackendStorage;
+    let gpu = accel_kernels::cuda_device(0)
+        .unwrap_or_else(|e| panic!("needs a CUDA device (build with --features cuda): {e}"));
+    let cpu = Device::Cpu;
+    let dir = tempfile::tempdir()?;
+    for config in configs() {
+        let (source, _) = quantized_source(dir.path(), 96, 160, config.clone())?;
+        let vb = VarBuilder::from_backend(Box::new(source), DType::F32, Device::Cpu);
+        let layer = linear_b_with(160, 96, false, vb.pp("m"), None, None)?;
+        let q = layer.quantized().expect("the source quantizes m");
+        let on_gpu = std::sync::Arc::new(q.tensors.to_device(&gpu)?);
+        for dtype in [DType::F32, DType::BF16] {
+            for rows in [3, 40] {
+                let x = randn(&[rows, 160], 11, 1.0)?.to_dtype(dtype)?;
+                let dy = randn(&[rows, 96], 12, 1.0)?.to_dtype(dtype)?;
+                let run = |dev: &Device, w| -> Result<(Tensor, Tensor)> {
+                    let v = Var::from_tensor(&x.to_device(dev)?)?;
+                    let y = kernels::quantized_linear(v.as_tensor(), w)?;
+                    let g = (&y * dy.to_device(dev)?)?.sum_all()?.backward()?;
+                    let dx = g.get(v.as_tensor()).expect("a gradient").to_device(&cpu)?;
+                    Ok((y.to_device(&cpu)?, dx))
+                };
+                let (want, got) = (run(&cpu, &q.tensors)?, run(&gpu, &on_gpu)?);
+                // bf16: both sides round the same weight and inputs, then sum
+                // in f32 in different orders and round the result.
+                let tol = if dtype == DType::F32 { 1e-4 } else { 3e-2 };
+                for (name, (g, w)) in [("y", (&got.0, &want.0)), ("dx", (&got.1, &want.1))] {
+                    let scale = w
+                        .to_dtype(DType::F32)?
+                        .abs()?
+                        .max_all()?
+                        .to_scalar::<f32>()?;
+                    let err = max_diff(g, w)? / scale.max(1e-6);
+                    assert!(
+                        err < tol,
+                        "{config:?} {dtype:?} {rows} rows: {name} off by {err}"
+                    );
+                }
+            }
+        }
+        // Bands of 500 elements (5 rows forward, 5 columns backward) give the
+        // products of one band.
+        let x = randn(&[40, 160], 13, 1.0)?.to_device(&gpu)?;
+        let dy = randn(&[40, 96], 14, 1.0)?.to_device(&gpu)?;
+        let on = |t: &Tensor, tile: usize, grad: bool| -> Result<Vec<f32>> {
+            let (s, l) = t.storage_and_layout();
+            let candle_core::Storage::Cuda(s) = &*s else {
+                unreachable!("on the GPU")
+            };
+            let out = on_gpu.with_cuda(|w| {
+                if grad {
+                    accel_kernels::cuda::quantized_matmul_grad((s, l), w, tile)
+                } else {
+                    accel_kernels::cuda::quantized_matmul((s, l), w, tile)
+                }
+            })?;
+            Ok(out.to_cpu_storage()?.as_slice::<f32>()?.to_vec())
+        };
+        for (t, grad) in [(&x, false), (&dy, true)] {
+            let (one, banded) = (on(t, 1 << 24, grad)?, on(t, 500, grad)?);
+            let err = one
+                .iter()
+                .zip(&banded)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(err < 1e-4, "{config:?} grad {grad}: banded off by {err}");
+        }
+    }
+    Ok(())
+}

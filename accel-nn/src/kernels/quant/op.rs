@@ -3,8 +3,11 @@
 
 use std::sync::Arc;
 
+use accel_kernels::cuda::{QuantMaxima, QuantWeight, QUANT_TILE_ELEMS};
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{
+    bail, CpuStorage, CudaStorage, CustomOp1, DType, Layout, Result, Shape, Storage, Tensor,
+};
 
 use super::{QuantRef, Scales, Store};
 use crate::kernels::{as_f32, from_f32, tensor_from_f32, with_f32};
@@ -58,6 +61,20 @@ macro_rules! cpu_slice {
                 stringify!($variant)
             ),
             _ => bail!("quantized weight: {} is not on the CPU", $what),
+        }
+    }};
+}
+
+/// The CUDA storage of a tensor and its layout, as `f` reads them.
+macro_rules! cuda_part {
+    ($t:expr, $what:expr, |$s:ident| $body:expr) => {{
+        let (storage, layout) = $t.storage_and_layout();
+        match &*storage {
+            Storage::Cuda(c) => {
+                let $s = (c, layout);
+                $body
+            }
+            _ => bail!("quantized weight: {} is not on the GPU", $what),
         }
     }};
 }
@@ -141,6 +158,87 @@ impl QuantTensors {
         }
     }
 
+    /// Runs `f` on the CUDA storages of the parts (for `quant.cu`'s
+    /// products).
+    pub(crate) fn with_cuda<R>(
+        &self,
+        f: impl FnOnce(&QuantWeight) -> accel_kernels::Result<R>,
+    ) -> Result<R> {
+        let run = |w: QuantWeight| f(&w).map_err(candle_core::Error::wrap);
+        match self {
+            Self::FourBit {
+                packed,
+                absmax,
+                nested,
+                codes,
+                blocksize,
+                store,
+                out,
+                inp,
+            } => cuda_part!(packed, "the packed codes", |p| {
+                let four_bit = |maxima| QuantWeight::FourBit {
+                    packed: p,
+                    maxima,
+                    codes,
+                    blocksize: *blocksize,
+                    store: store.dtype(),
+                    out: *out,
+                    inp: *inp,
+                };
+                match nested {
+                    None => cuda_part!(absmax, "absmax", |a| run(four_bit(QuantMaxima::F32(a)))),
+                    Some((n, offset)) => cuda_part!(absmax, "absmax codes", |a| {
+                        cuda_part!(n, "nested_absmax", |n| run(four_bit(QuantMaxima::Nested {
+                            codes: a,
+                            nested: n,
+                            per: accel_bigmodel::quant::NESTED_BLOCKSIZE,
+                            offset: *offset,
+                            map: super::dynamic_map(),
+                        })))
+                    }),
+                }
+            }),
+            Self::EightBit {
+                codes,
+                row_max,
+                out,
+                inp,
+            } => cuda_part!(codes, "the int8 codes", |c| {
+                cuda_part!(row_max, "SCB", |m| run(QuantWeight::EightBit {
+                    codes: c,
+                    row_max: m,
+                    out: *out,
+                    inp: *inp,
+                }))
+            }),
+        }
+    }
+
+    /// The same weight with its parts on `device`.
+    #[cfg(test)]
+    pub(crate) fn to_device(&self, device: &candle_core::Device) -> Result<Self> {
+        let mut w = self.clone();
+        match &mut w {
+            Self::FourBit {
+                packed,
+                absmax,
+                nested,
+                ..
+            } => {
+                *packed = packed.to_device(device)?;
+                *absmax = absmax.to_device(device)?;
+                if let Some((n, _)) = nested {
+                    *n = n.to_device(device)?;
+                }
+            }
+            Self::EightBit { codes, row_max, .. } => {
+                *codes = codes.to_device(device)?;
+                *row_max = row_max.to_device(device)?;
+            }
+        }
+        Ok(w)
+    }
+
     /// The weight dequantized on the CPU, `[out, inp]` f32.
     pub(crate) fn dequantize(&self) -> Result<Tensor> {
         let (out, inp) = self.dims();
@@ -149,8 +247,9 @@ impl QuantTensors {
     }
 }
 
-/// `x [n, inp] @ W^T` on CPU tensors (f32, bf16 or f16, computed in f32),
-/// differentiable in `x`.
+/// `x [n, inp] @ W^T` (f32, bf16 or f16), differentiable in `x`: on the
+/// CPU computed in f32 (or bf16 products), on CUDA by `quant.cu`'s tiles
+/// and cuBLAS in `x`'s dtype.
 pub(crate) fn quantized_linear(x: &Tensor, w: &Arc<QuantTensors>) -> Result<Tensor> {
     x.contiguous()?.apply_op1(QuantLinearOp { w: w.clone() })
 }
@@ -182,9 +281,25 @@ impl CustomOp1 for QuantLinearOp {
         Ok((from_f32(y, s.dtype())?, Shape::from((n, out))))
     }
 
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (n, _) = l.shape().dims2()?;
+        let (out, _) = self.w.dims();
+        let y = self
+            .w
+            .with_cuda(|w| accel_kernels::cuda::quantized_matmul((s, l), w, QUANT_TILE_ELEMS))?;
+        Ok((y, Shape::from((n, out))))
+    }
+
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         if !x.track_op() {
             return Ok(None);
+        }
+        if grad.device().is_cuda() {
+            let w = self.w.clone();
+            let dx = grad
+                .contiguous()?
+                .apply_op1_no_bwd(&QuantLinearGrad { w })?;
+            return Ok(Some(dx));
         }
         let (n, inp) = x.dims2()?;
         let dx = with_f32(grad, |dy| {
@@ -200,6 +315,31 @@ impl CustomOp1 for QuantLinearOp {
     }
 }
 
+/// `dy [n, out] @ W` on CUDA: the input's gradient of [`QuantLinearOp`]
+/// (on the CPU its `bwd` computes it directly).
+struct QuantLinearGrad {
+    w: Arc<QuantTensors>,
+}
+
+impl CustomOp1 for QuantLinearGrad {
+    fn name(&self) -> &'static str {
+        "accel-quantized-linear-grad"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        bail!("internal: the quantized linear's CPU gradient is computed in its backward")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (n, _) = l.shape().dims2()?;
+        let (_, inp) = self.w.dims();
+        let dx = self.w.with_cuda(|w| {
+            accel_kernels::cuda::quantized_matmul_grad((s, l), w, QUANT_TILE_ELEMS)
+        })?;
+        Ok((dx, Shape::from((n, inp))))
+    }
+}
+
 /// Whether products over `n` rows of a `dtype` input take bf16 operands:
 /// bf16 inputs past the skinny form (decoding reads the codes directly), on
 /// a CPU with AVX-512 BF16 where the AVX-512 path is taken.
@@ -211,6 +351,15 @@ fn bf16_products(dtype: DType, n: usize) -> bool {
 }
 
 impl Store {
+    /// The dtype a weight was quantized from.
+    fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::Bf16 => DType::BF16,
+            Self::F16 => DType::F16,
+        }
+    }
+
     /// The store of a weight quantized from `dtype`.
     pub(crate) fn of(dtype: DType) -> Self {
         match dtype {
