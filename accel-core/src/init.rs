@@ -230,7 +230,13 @@ impl FullVars {
         }
         if init.is_frozen(name) {
             let value = init.initial_as(name, h, &s, dev, dtype)?;
-            let var = Var::from_tensor(&value.to_dtype(dtype)?)?;
+            // Taken as read: a weight converted or quantized on load is held
+            // once, not copied again into its variable.
+            let value = match value.dtype() == dtype {
+                true => value,
+                false => value.to_dtype(dtype)?,
+            };
+            let var = Var::from_tensor_owned(value)?;
             let t = var.as_tensor().detach();
             data.insert(name.to_string(), var);
             return Ok(t);

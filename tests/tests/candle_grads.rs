@@ -129,3 +129,42 @@ fn gradients_returned_as_views_of_one_buffer_are_copied_out() -> Result<()> {
     );
     Ok(())
 }
+
+/// `Var::from_tensor_owned` (the patch that keeps a loaded weight from being held twice): a tensor
+/// nothing else holds becomes the variable over its own storage, with no copy; one that shares its
+/// storage (another handle, or a view) is copied, so a write through the variable reaches only it.
+#[test]
+fn an_owned_tensor_becomes_a_variable_without_a_copy() -> Result<()> {
+    let t = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+    let key = storage_key(&t);
+    let v = Var::from_tensor_owned(t)?;
+    assert_eq!(
+        storage_key(v.as_tensor()),
+        key,
+        "a sole owner's storage is taken"
+    );
+    v.set(&Tensor::new(&[4f32, 5., 6.], &Device::Cpu)?)?;
+    assert_eq!(vals(v.as_tensor()), [4., 5., 6.]);
+    let g = (v.as_tensor() * 2.0)?.sum_all()?.backward()?;
+    assert_eq!(
+        vals(g.get(v.as_tensor()).expect("the variable trains")),
+        [2., 2., 2.]
+    );
+
+    let shared = Tensor::new(&[1f32, 2., 3.], &Device::Cpu)?;
+    let v = Var::from_tensor_owned(shared.clone())?;
+    assert_ne!(
+        storage_key(v.as_tensor()),
+        storage_key(&shared),
+        "a shared tensor is copied"
+    );
+    v.set(&Tensor::new(&[7f32, 8., 9.], &Device::Cpu)?)?;
+    assert_eq!(vals(&shared), [1., 2., 3.]);
+
+    let whole = Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu)?;
+    let key = storage_key(&whole);
+    let v = Var::from_tensor_owned(whole.narrow(0, 1, 2)?)?;
+    assert_ne!(storage_key(v.as_tensor()), key, "a view is copied");
+    assert_eq!(vals(v.as_tensor()), [2., 3.]);
+    Ok(())
+}

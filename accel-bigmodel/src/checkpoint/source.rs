@@ -274,6 +274,11 @@ impl CheckpointSource {
                 return Ok(t);
             }
         }
+        if let Some(dtype) = dtype.filter(|_| device.is_cpu()) {
+            if let Some(t) = self.mapped[i].tensor_converted(name, dtype)? {
+                return Ok(t);
+            }
+        }
         let tensor = self.mapped[i].tensor(name, device)?;
         // A copy now: the file's pages need not stay resident beside it.
         self.mapped[i].release(name);

@@ -2522,6 +2522,37 @@ impl Tensor {
 
     /// Create a variable based on the values currently stored in a tensor. The storage is always
     /// copied.
+    /// `self` as a variable over its own storage when nothing else can reach
+    /// that storage (accel-rs patch, docs/design/candle-core-patch.md): no other
+    /// handle to this tensor or to its storage, contiguous from the storage's
+    /// start. A weight read from a checkpoint is then not held twice while it
+    /// becomes a parameter. Otherwise a copy, as `make_var`.
+    pub(crate) fn into_var(self) -> Result<Tensor> {
+        if self.is_variable {
+            return Ok(self);
+        }
+        match Arc::try_unwrap(self.0) {
+            Ok(inner)
+                if Arc::strong_count(&inner.storage) == 1
+                    && inner.layout.is_contiguous()
+                    && inner.layout.start_offset() == 0 =>
+            {
+                let tensor_ = Tensor_ {
+                    id: TensorId::new(),
+                    storage: inner.storage,
+                    layout: Layout::contiguous(inner.layout.shape().clone()),
+                    op: BackpropOp::none(),
+                    is_variable: true,
+                    dtype: inner.dtype,
+                    device: inner.device,
+                };
+                Ok(Tensor(Arc::new(tensor_)))
+            }
+            Ok(inner) => Tensor(Arc::new(inner)).make_var(),
+            Err(shared) => Tensor(shared).make_var(),
+        }
+    }
+
     pub(crate) fn make_var(&self) -> Result<Tensor> {
         let shape = self.shape().clone();
         let mut storage = unsafe { self.device().alloc_uninit(&shape, self.dtype())? };

@@ -44,6 +44,13 @@ impl Var {
         }
     }
 
+    /// Takes `t` as a variable, over its own storage when nothing else holds
+    /// that storage (no copy), else over a copy as [`Var::from_tensor`]
+    /// (accel-rs patch).
+    pub fn from_tensor_owned(t: Tensor) -> Result<Self> {
+        Ok(Self(t.into_var()?))
+    }
+
     pub fn rand_f64<S: Into<Shape>>(
         lo: f64,
         up: f64,
