@@ -275,7 +275,7 @@ impl CheckpointSource {
             }
         }
         if let Some(dtype) = dtype.filter(|_| device.is_cpu()) {
-            if let Some(t) = self.mapped[i].tensor_converted(name, dtype)? {
+            if let Some(t) = self.mapped[i].tensor_read(name, dtype)? {
                 return Ok(t);
             }
         }

@@ -121,17 +121,18 @@ impl MmapFile {
 }
 
 impl MmapFile {
-    /// Tensor `name` in `dtype` on the CPU, converted straight from the
-    /// file's bytes a chunk at a time, each chunk's pages dropped once
-    /// converted, so the file's copy never stands beside the converted one
-    /// (a 32000 x 1536 f32 head read as bf16 held its 196 MB of pages and a
-    /// 196 MB f32 copy to make 98 MB). `None` unless both dtypes are f32,
-    /// bf16 or f16 and differ. Values are `to_dtype`'s (`from_f32` of the
-    /// f32 value, round to nearest even).
+    /// Tensor `name` in `dtype` on the CPU, read (and converted) straight
+    /// from the file's bytes a chunk at a time, each chunk's pages dropped
+    /// once read, so the file's copy never stands beside the tensor (a
+    /// 32000 x 1536 f32 head read as bf16 held its 196 MB of pages and a
+    /// 196 MB f32 copy to make 98 MB; read as f32, its pages and the copy).
+    /// `None` unless both dtypes are f32, bf16 or f16. Converted values are
+    /// `to_dtype`'s (`from_f32` of the f32 value, round to nearest even);
+    /// equal dtypes keep the bits.
     ///
     /// # Errors
     /// [`Error::MissingTensor`] when the file lacks it.
-    pub fn tensor_converted(&self, name: &str, dtype: DType) -> Result<Option<Tensor>> {
+    pub fn tensor_read(&self, name: &str, dtype: DType) -> Result<Option<Tensor>> {
         let (Some(entry), Some(range)) = (self.header.get(name), self.header.byte_range(name))
         else {
             return Err(Error::MissingTensor {
@@ -143,7 +144,7 @@ impl MmapFile {
         let Some(stored) = entry.candle_dtype().filter(|d| floats.contains(d)) else {
             return Ok(None);
         };
-        if stored == dtype || !floats.contains(&dtype) {
+        if !floats.contains(&dtype) {
             return Ok(None);
         }
         let (start, end) = (range.start as usize, range.end as usize);
@@ -151,57 +152,57 @@ impl MmapFile {
         let release = |at: usize, len: usize| {
             crate::mapped::drop_read_pages(&self.map, start + at, len);
         };
-        let shape = entry.shape.as_slice();
-        let cpu = &Device::Cpu;
-        Ok(Some(match dtype {
-            DType::F32 => Tensor::from_vec(converted(bytes, stored, |v| v, release), shape, cpu)?,
-            DType::BF16 => {
-                let v = converted(bytes, stored, half::bf16::from_f32, release);
+        let size = stored.size_in_bytes();
+        let f32_of = |b: &[u8]| match stored {
+            DType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            DType::BF16 => half::bf16::from_bits(bits16(b)).to_f32(),
+            _ => half::f16::from_bits(bits16(b)).to_f32(),
+        };
+        let (shape, cpu) = (entry.shape.as_slice(), &Device::Cpu);
+        Ok(Some(match (stored, dtype) {
+            (_, DType::F32) => Tensor::from_vec(read(bytes, size, f32_of, release), shape, cpu)?,
+            (DType::BF16, DType::BF16) => {
+                let v = read(bytes, size, |b| half::bf16::from_bits(bits16(b)), release);
+                Tensor::from_vec(v, shape, cpu)?
+            }
+            (DType::F16, DType::F16) => {
+                let v = read(bytes, size, |b| half::f16::from_bits(bits16(b)), release);
+                Tensor::from_vec(v, shape, cpu)?
+            }
+            (_, DType::BF16) => {
+                let v = read(bytes, size, |b| half::bf16::from_f32(f32_of(b)), release);
                 Tensor::from_vec(v, shape, cpu)?
             }
             _ => {
-                let v = converted(bytes, stored, half::f16::from_f32, release);
+                let v = read(bytes, size, |b| half::f16::from_f32(f32_of(b)), release);
                 Tensor::from_vec(v, shape, cpu)?
             }
         }))
     }
 }
 
-/// Elements converted between two page drops.
-const CONVERT_CHUNK: usize = 1 << 20;
+/// A little-endian 16-bit value.
+fn bits16(b: &[u8]) -> u16 {
+    u16::from_le_bytes([b[0], b[1]])
+}
 
-/// The little-endian values of `bytes` (of `stored`: f32, bf16 or f16)
-/// through f32 into `to`, calling `release(offset, len)` for each chunk of
-/// bytes once it is converted.
-fn converted<D>(
+/// Elements read between two page drops.
+const READ_CHUNK: usize = 1 << 20;
+
+/// The values of `bytes` (elements of `size` bytes) made by `value`,
+/// calling `release(offset, len)` for each chunk of bytes once it is read.
+fn read<D>(
     bytes: &[u8],
-    stored: DType,
-    to: impl Fn(f32) -> D,
+    size: usize,
+    value: impl Fn(&[u8]) -> D,
     release: impl Fn(usize, usize),
 ) -> Vec<D> {
-    let size = stored.size_in_bytes();
     let n = bytes.len() / size;
     let mut out = Vec::with_capacity(n);
-    for c0 in (0..n).step_by(CONVERT_CHUNK) {
-        let m = CONVERT_CHUNK.min(n - c0);
+    for c0 in (0..n).step_by(READ_CHUNK) {
+        let m = READ_CHUNK.min(n - c0);
         let chunk = &bytes[c0 * size..(c0 + m) * size];
-        match stored {
-            DType::F32 => out.extend(
-                chunk
-                    .chunks_exact(4)
-                    .map(|b| to(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
-            ),
-            DType::BF16 => out.extend(
-                chunk
-                    .chunks_exact(2)
-                    .map(|b| to(half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())),
-            ),
-            _ => out.extend(
-                chunk
-                    .chunks_exact(2)
-                    .map(|b| to(half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())),
-            ),
-        }
+        out.extend(chunk.chunks_exact(size).map(&value));
         release(c0 * size, m * size);
     }
     out
@@ -211,12 +212,12 @@ fn converted<D>(
 mod tests {
     use super::*;
 
-    /// Converted from the bytes: `to_dtype`'s values bit for bit, over more
-    /// than one chunk, every pair of float dtypes; `None` for equal dtypes.
+    /// Read from the bytes: `to_dtype`'s values bit for bit, over more than
+    /// one chunk, every pair of float dtypes (equal ones the stored bits).
     #[test]
-    fn a_tensor_converted_from_the_file_equals_to_dtype() {
+    fn a_tensor_read_from_the_file_equals_to_dtype() {
         let dir = tempfile::tempdir().unwrap();
-        let n = CONVERT_CHUNK + 4099;
+        let n = READ_CHUNK + 4099;
         // Values past bf16's and f16's precision and range, ties included.
         let v: Vec<f32> = (0..n)
             .map(|i| ((i as f32) * 0.618_034).sin() * 7e4 + (i % 3) as f32 * 1.000_000_1)
@@ -231,12 +232,11 @@ mod tests {
             )
             .unwrap();
             let file = MmapFile::open(&path).unwrap();
-            assert!(file.tensor_converted("w", stored).unwrap().is_none());
             for dtype in [DType::F32, DType::BF16, DType::F16] {
-                let Some(got) = file.tensor_converted("w", dtype).unwrap() else {
-                    assert_eq!(dtype, stored);
-                    continue;
-                };
+                let got = file
+                    .tensor_read("w", dtype)
+                    .unwrap()
+                    .expect("floats are read");
                 let want = s.to_dtype(dtype).unwrap();
                 let bits = |t: &Tensor| -> Vec<u32> {
                     match t.dtype() {
@@ -265,7 +265,8 @@ mod tests {
             }
         }
         let file = MmapFile::open(&dir.path().join("F32.safetensors")).unwrap();
-        assert!(file.tensor_converted("nope", DType::BF16).is_err());
+        assert!(file.tensor_read("nope", DType::BF16).is_err());
+        assert!(file.tensor_read("w", DType::U8).unwrap().is_none());
     }
 
     #[test]
