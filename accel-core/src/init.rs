@@ -350,10 +350,20 @@ impl SimpleBackend for SeededBackend {
                 .tensor(name, dev, Some(dtype))
                 .map_err(candle_core::Error::wrap);
         }
-        match self.keep {
-            Keep::Full(_) => candle_core::bail!(
-                "parameter `{name}`: a seeded var builder needs a shape and an init"
-            ),
+        match &self.keep {
+            // A parameter made earlier with its shape, as a `VarMap` would give it: a model that
+            // reads a size off a tensor before making it (RWKV v7's LoRA widths) builds fresh
+            // once its user has made that tensor.
+            Keep::Full(full) => {
+                let data = full.varmap.data().lock().unwrap_or_else(|e| e.into_inner());
+                let Some(v) = data.get(name) else {
+                    candle_core::bail!(
+                        "parameter `{name}`: a seeded var builder needs a shape and an init"
+                    )
+                };
+                let t = v.as_tensor().to_dtype(dtype)?;
+                Ok(if self.is_frozen(name) { t.detach() } else { t })
+            }
             Keep::Piece(_) => candle_core::bail!(
                 "parameter `{name}`: a sharded var builder needs a shape and an init"
             ),

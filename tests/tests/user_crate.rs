@@ -176,6 +176,8 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("rwkv_v5", "bf16", 50),
         ("rwkv_v6", "no", 62),
         ("rwkv_v6", "bf16", 62),
+        ("rwkv_v7", "no", 69),
+        ("rwkv_v7", "bf16", 69),
         ("mamba2", "no", 20),
         ("mamba2", "bf16", 20),
         ("marian", "no", 86),

@@ -264,7 +264,7 @@ mod tests {
                 assert!(bits(&got) == bits(&want), "{stored:?} -> {dtype:?}");
             }
         }
-        let file = MmapFile::open(&dir.path().join("F32.safetensors")).unwrap();
+        let file = MmapFile::open(dir.path().join("F32.safetensors")).unwrap();
         assert!(file.tensor_read("nope", DType::BF16).is_err());
         assert!(file.tensor_read("w", DType::U8).unwrap().is_none());
     }

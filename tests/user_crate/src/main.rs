@@ -91,8 +91,8 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
         | "glm4_new" | "lfm2" | "bigcode" | "llama2_c" | "recurrent_gemma" | "granitemoehybrid" => {
             rest::forward(which, vb, &varmap, &dev)?.expect("built in rest.rs")
         }
-        "gemma4" | "based" | "rwkv_v5" | "rwkv_v6" | "mamba2" | "marian" | "debertav2"
-        | "smollm3" | "yi" | "mpt" => rest2::forward(which, vb, &varmap, &dev)?.expect("built in rest2.rs"),
+        "gemma4" | "based" | "rwkv_v5" | "rwkv_v6" | "rwkv_v7" | "mamba2" | "marian"
+        | "debertav2" | "smollm3" | "yi" | "mpt" => rest2::forward(which, vb, &varmap, &dev)?.expect("built in rest2.rs"),
         "bert" => {
             let model = bert::BertModel::load(vb.pp("bert"), &bert_config()?)?;
             let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
@@ -499,6 +499,7 @@ fn main() -> Result<()> {
         "based",
         "rwkv_v5",
         "rwkv_v6",
+        "rwkv_v7",
         "mamba2",
         "marian",
         "debertav2",

@@ -2,14 +2,15 @@
 //! Based (short convolution, Taylor linear attention, sliding window), RWKV v5 and v6 (their
 //! recurrent step unrolled over the sequence), Mamba 2 (the chunked SSD prefill), Marian
 //! (translation), DeBERTa v2 (disentangled attention, sequence classification), SmolLM3
-//! (NoPE layers), Yi and MPT (ALiBi), each built with tiny shapes as a user would.
+//! (NoPE layers), Yi and MPT (ALiBi), RWKV v7 (its sequence prefill), each built with tiny
+//! shapes as a user would.
 
 use accel_core::Accelerator;
 use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::{
-    based, debertav2, gemma4, mamba2, marian, mpt, rwkv_v5, rwkv_v6, smol::smollm3, yi,
+    based, debertav2, gemma4, mamba2, marian, mpt, rwkv_v5, rwkv_v6, rwkv_v7, smol::smollm3, yi,
 };
 use serde_json::json;
 use std::cell::RefCell;
@@ -126,6 +127,41 @@ pub fn forward(
                     logits = Some(step(&ids.i((.., t..t + 1))?.contiguous()?, &mut state)?);
                 }
                 last_loss(logits.expect("eight steps"), &next)
+            })
+        }
+        "rwkv_v7" => {
+            // The sequence prefill over 8 tokens, the loss on the last. Built again each step:
+            // its projections are transposed copies of the weights made at construction, which
+            // an optimizer step would not reach. It reads its LoRA widths off tensors that must
+            // exist already (block 0's w1, a1 and g1; v1 of block 1, as layer 0 has no value
+            // residual), so those are made first with the widths wanted.
+            let cfg: rwkv_v7::Config = serde_json::from_value(json!({
+                "version": "V7", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                "head_size": 8, "intermediate_size": 64
+            }))?;
+            // candle makes every weight at zeros (a checkpoint overwrites them), where the key
+            // normalisation's gradient is NaN: each parameter is made first, drawn, with the
+            // names and shapes of a model built on a scratch `VarMap`.
+            let probe = VarMap::new();
+            let pvb = VarBuilder::from_varmap(&probe, DType::F32, &Device::Cpu);
+            for (layer, name, width) in [(0, "w1", 8), (0, "a1", 4), (1, "v1", 4), (0, "g1", 8)] {
+                pvb.pp("blocks").pp(layer).pp("att").get((32, width), name)?;
+            }
+            rwkv_v7::Model::new(&cfg, pvb)?;
+            let drawn = candle_nn::Init::Randn {
+                mean: 0.0,
+                stdev: 0.3,
+            };
+            for (name, var) in probe.data().lock().unwrap().iter() {
+                vb.get_with_hints(var.shape(), name, drawn)?;
+            }
+            let tokens: Vec<u32> = long.i(0)?.to_vec1::<u32>()?[..8].to_vec();
+            let next = next.narrow(0, 0, 1)?;
+            let dev = dev.clone();
+            Box::new(move |_: &Accelerator| {
+                let m = rwkv_v7::Model::new(&cfg, vb.clone())?;
+                let mut state = rwkv_v7::State::new_with_dtype(&cfg, &dev, dtype)?;
+                loss(m.forward_seq(&tokens, &mut state)?.unsqueeze(0)?, &next)
             })
         }
         "mamba2" => {

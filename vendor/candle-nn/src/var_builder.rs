@@ -344,8 +344,13 @@ impl SimpleBackend for VarMap {
         VarMap::get(self, s, name, h, dtype, dev)
     }
 
-    fn get_unchecked(&self, _name: &str, _dtype: DType, _dev: &Device) -> Result<Tensor> {
-        candle::bail!("`get_unchecked` does not make sense for `VarMap`, use `get`.");
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
+        // accel-rs patch: a variable made earlier with its shape is returned (a model that reads a
+        // size off a tensor before making it, as RWKV v7 does, builds once its user made it).
+        match self.data().lock().unwrap().get(name) {
+            Some(v) => v.as_tensor().to_device(dev)?.to_dtype(dtype),
+            None => candle::bail!("`get_unchecked` does not make sense for `VarMap`, use `get`."),
+        }
     }
 
     fn contains_tensor(&self, name: &str) -> bool {

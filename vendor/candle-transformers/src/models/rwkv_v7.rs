@@ -65,11 +65,19 @@ impl Config {
 /// Infer LoRA dimensions from actual weight shapes in the first block.
 /// This is more robust than computing from a formula, as different
 /// model sizes may use different LoRA dimensions.
-fn infer_lora_dims(vb: &VarBuilder) -> Result<(usize, usize, usize, usize)> {
+fn infer_lora_dims(vb: &VarBuilder, num_layers: usize) -> Result<(usize, usize, usize, usize)> {
     let att = vb.pp("blocks").pp(0).pp("att");
     let d_decay = att.get_unchecked("w1")?.dim(1)?;
     let d_aaa = att.get_unchecked("a1")?.dim(1)?;
-    let d_mv = att.get_unchecked("v1")?.dim(1)?;
+    // accel-rs patch: the value-residual size from a layer that uses `v1` (layer 0 ignores its
+    // own, so a model built without a checkpoint need not create it); the same size in a file.
+    let mv_layer = if num_layers > 1 { 1 } else { 0 };
+    let d_mv = vb
+        .pp("blocks")
+        .pp(mv_layer)
+        .pp("att")
+        .get_unchecked("v1")?
+        .dim(1)?;
     let d_gate = att.get_unchecked("g1")?.dim(1)?;
     Ok((d_decay, d_aaa, d_mv, d_gate))
 }
@@ -270,10 +278,8 @@ impl TimeMix {
                 Some(vb.get((d_mv, c), "v2")?),
             )
         } else {
-            // Load and discard — these tensors exist in the file but are ignored at layer 0
-            let _ = vb.get((1, 1, c), "v0");
-            let _ = vb.get((c, d_mv), "v1");
-            let _ = vb.get((d_mv, c), "v2");
+            // accel-rs patch: not read at all (upstream read and discarded them), so a model
+            // built without a checkpoint has no parameters that can never get a gradient.
             (None, None, None)
         };
 
@@ -843,7 +849,7 @@ pub struct Model {
 impl Model {
     pub fn new(cfg: &Config, vb: VarBuilder) -> Result<Self> {
         let c = cfg.hidden_size;
-        let lora = infer_lora_dims(&vb)?;
+        let lora = infer_lora_dims(&vb, cfg.num_hidden_layers)?;
 
         let embeddings = embedding(cfg.vocab_size, c, vb.pp("emb"))?;
 
