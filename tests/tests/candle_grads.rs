@@ -168,3 +168,60 @@ fn an_owned_tensor_becomes_a_variable_without_a_copy() -> Result<()> {
     assert_eq!(vals(v.as_tensor()), [2., 3.]);
     Ok(())
 }
+
+/// An op without a backward, named for this test only.
+struct Cut(&'static str);
+
+impl candle_core::CustomOp1 for Cut {
+    fn name(&self) -> &'static str {
+        self.0
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((s.clone(), l.shape().clone()))
+    }
+}
+
+fn cuts_of(name: &str) -> u64 {
+    candle_core::cuts::recorded()
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(0, |&(_, count)| count)
+}
+
+/// The patched candle-core counts each op without a backward applied to a tensor that carries a
+/// gradient (what the no-gradient report names), and nothing else: not the op on a constant, not
+/// the calls a backward pass makes.
+#[test]
+fn ops_without_a_backward_on_tracked_tensors_are_counted_as_cuts() -> Result<()> {
+    let v = var(&[1., 2., 3.])?;
+    let y = (v.as_tensor() * 2.0)?;
+    y.apply_op1_no_bwd(&Cut("test-cut-tracked"))?;
+    v.as_tensor().apply_op1_no_bwd(&Cut("test-cut-tracked"))?;
+    assert_eq!(cuts_of("test-cut-tracked"), 2);
+    Tensor::new(&[1f32], &Device::Cpu)?.apply_op1_no_bwd(&Cut("test-cut-constant"))?;
+    assert_eq!(cuts_of("test-cut-constant"), 0);
+
+    /// A differentiable op whose backward applies an op without one to a tracked input.
+    struct GradViaCut;
+    impl candle_core::CustomOp1 for GradViaCut {
+        fn name(&self) -> &'static str {
+            "test-grad-via-cut"
+        }
+        fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+            Ok((s.clone(), l.shape().clone()))
+        }
+        fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+            arg.apply_op1_no_bwd(&Cut("test-cut-in-backward"))?;
+            Ok(Some(grad.clone()))
+        }
+    }
+    let g = y.apply_op1(GradViaCut)?.sum_all()?.backward()?;
+    assert_eq!(vals(g.get(v.as_tensor()).unwrap()), [2., 2., 2.]);
+    assert_eq!(
+        cuts_of("test-cut-in-backward"),
+        0,
+        "a backward's ops are not cuts"
+    );
+    Ok(())
+}

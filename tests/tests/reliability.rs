@@ -249,6 +249,19 @@ fn a_bypassed_layer_is_named_and_an_error_at_2_ranks_unless_accepted_or_frozen()
             "{e}"
         );
     }
+    // The bypassed layer's output reaches the loss through an op without a
+    // backward: the report names the op that cut the graph.
+    for (r, v) in run(2, "cut", &["--cut"]).iter().enumerate() {
+        assert_eq!(v["ok"], false, "{v}");
+        let e = v["error"].as_str().unwrap();
+        assert!(
+            e.contains(&format!("rank {r}"))
+                && e.contains("skipped.bias, skipped.weight")
+                && e.contains("cut by ops without a backward")
+                && e.contains("`rel-worker-cut` (1 time)"),
+            "{e}"
+        );
+    }
     // A loss that depends on no parameter of the model: after 4 backwards
     // that reach none of it, every parameter is named.
     for (r, v) in run(2, "detached", &["--detached"]).iter().enumerate() {

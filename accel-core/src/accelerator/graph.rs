@@ -89,14 +89,34 @@ fn listed(names: &[String]) -> String {
     }
 }
 
+/// The sentence naming the ops without a backward that the forwards so far
+/// applied to tensors carrying a gradient (`cuts`: each op's name and count,
+/// from the patched candle-core's `cuts::recorded`); empty without any.
+fn cuts_sentence(cuts: &[(&str, u64)]) -> String {
+    if cuts.is_empty() {
+        return String::new();
+    }
+    let named: Vec<String> = cuts
+        .iter()
+        .map(|(name, n)| format!("`{name}` ({n} time{})", if *n == 1 { "" } else { "s" }))
+        .collect();
+    format!(
+        " The graph was cut by ops without a backward applied to tensors that carry a \
+         gradient: {}.",
+        named.join(", ")
+    )
+}
+
 /// The report for `unreached`, the trainable parameters of model `model`
 /// that no backward reached at this rank; `never` when no backward reached
-/// the model at all within [`REACH_WITHIN`].
+/// the model at all within [`REACH_WITHIN`]; `cuts` the ops that cut the
+/// graph in this process's forwards (see [`cuts_sentence`]).
 pub(crate) fn unused_report(
     model: usize,
     rank: usize,
     unreached: &[String],
     never: bool,
+    cuts: &[(&str, u64)],
 ) -> String {
     let when = if never {
         format!("in {REACH_WITHIN} backwards, none of which reached the model,")
@@ -107,9 +127,10 @@ pub(crate) fn unused_report(
         "{} trainable parameter(s) of prepared model {model} received no gradient {when} at rank \
          {rank}: {}. A layer the forward skips, or an op without backward cutting the graph, \
          leaves them untrained. Freeze them on purpose with `prepare_model_frozen`; at more than \
-         one rank, `DdpConfig::find_unused_parameters` (`ddp_find_unused_parameters`) accepts them.",
+         one rank, `DdpConfig::find_unused_parameters` (`ddp_find_unused_parameters`) accepts them.{}",
         unreached.len(),
-        listed(unreached)
+        listed(unreached),
+        cuts_sentence(cuts)
     )
 }
 
@@ -159,11 +180,15 @@ impl Accelerator {
                              `DdpConfig::find_unused_parameters` accepts it"
                         )
                     } else {
-                        unused_report(i, self.process_index(), &unreached, !reached_somewhere)
+                        let cuts = candle_core::cuts::recorded();
+                        let (rank, never) = (self.process_index(), !reached_somewhere);
+                        unused_report(i, rank, &unreached, never, &cuts)
                     },
                 });
             } else if !unreached.is_empty() {
-                let report = unused_report(i, self.process_index(), &unreached, !reached_somewhere);
+                let cuts = candle_core::cuts::recorded();
+                let (rank, never) = (self.process_index(), !reached_somewhere);
+                let report = unused_report(i, rank, &unreached, never, &cuts);
                 crate::notice::warn(&report);
             }
         }
@@ -192,12 +217,21 @@ mod tests {
     #[test]
     fn a_report_names_the_first_parameters_and_counts_the_rest() {
         let names: Vec<String> = (0..7).map(|i| format!("layer.{i}.weight")).collect();
-        let msg = unused_report(0, 1, &names, false);
+        let msg = unused_report(0, 1, &names, false, &[]);
         assert!(
             msg.starts_with("7 trainable parameter(s) of prepared model 0"),
             "{msg}"
         );
         assert!(msg.contains("at rank 1: layer.0.weight, layer.1.weight, layer.2.weight, layer.3.weight, layer.4.weight and 2 more."), "{msg}");
         assert_eq!(listed(&names[..2]), "layer.0.weight, layer.1.weight");
+        assert!(!msg.contains("was cut by"), "{msg}");
+        let msg = unused_report(0, 0, &names, false, &[("rotary-emb", 4), ("layer-norm", 1)]);
+        assert!(
+            msg.ends_with(
+                "The graph was cut by ops without a backward applied to tensors that carry a \
+                 gradient: `rotary-emb` (4 times), `layer-norm` (1 time)."
+            ),
+            "{msg}"
+        );
     }
 }

@@ -66,6 +66,27 @@ struct Args {
     /// Take a loss that depends on no parameter of the model (unused mode).
     #[arg(long)]
     detached: bool,
+    /// Pass the bypassed layer's output through an op without a backward (unused mode).
+    #[arg(long)]
+    cut: bool,
+}
+
+/// An op without a backward: the identity, named so the no-gradient report can say where the
+/// graph was cut.
+struct CutOp;
+
+impl candle_core::CustomOp1 for CutOp {
+    fn name(&self) -> &'static str {
+        "rel-worker-cut"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        Ok((s.clone(), l.shape().clone()))
+    }
 }
 
 fn main() -> Result<()> {
@@ -211,7 +232,7 @@ fn unused(args: &Args) -> Result<(usize, serde_json::Value)> {
     let varmap = VarMap::new();
     let vb = acc.var_builder(&varmap);
     let used = candle_nn::linear(4, 2, vb.pp("used"))?;
-    let _skipped = candle_nn::linear(4, 2, vb.pp("skipped"))?;
+    let skipped_layer = candle_nn::linear(4, 2, vb.pp("skipped"))?;
     // With find_unused: a layer only rank 0's loss uses (locally unused at
     // the others, so its averaged gradient must still reach every rank).
     let half = args
@@ -238,6 +259,13 @@ fn unused(args: &Args) -> Result<(usize, serde_json::Value)> {
             outside.as_tensor().sqr()?.mean_all()?
         } else {
             let loss = used.forward(&x)?.sqr()?.mean_all()?;
+            let loss = match args.cut {
+                true => {
+                    let cut = skipped_layer.forward(&x)?.apply_op1_no_bwd(&CutOp)?;
+                    (loss + cut.sqr()?.mean_all()?)?
+                }
+                false => loss,
+            };
             match &half {
                 Some(h) if acc.process_index() == 0 => {
                     (loss + h.forward(&x)?.sqr()?.mean_all()?)?

@@ -163,6 +163,8 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
+        // accel-rs patch: ops run to build the gradients are not cuts of the forward's graph.
+        let _scope = crate::cuts::BackwardScope::enter();
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);

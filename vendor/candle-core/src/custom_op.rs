@@ -155,12 +155,19 @@ pub trait CustomOp3 {
 impl Tensor {
     /// Applies a unary custom op without backward support
     pub fn apply_op1_no_bwd<C: CustomOp1>(&self, c: &C) -> Result<Self> {
+        // accel-rs patch: a gradient this op would have carried is counted as a cut.
+        if self.track_op() {
+            crate::cuts::record(c.name());
+        }
         let (storage, shape) = self.storage().apply_op1(self.layout(), c)?;
         Ok(from_storage(storage, shape, BackpropOp::none(), false))
     }
 
     /// Applies a binary custom op without backward support
     pub fn apply_op2_no_bwd<C: CustomOp2>(&self, rhs: &Self, c: &C) -> Result<Self> {
+        if self.track_op() || rhs.track_op() {
+            crate::cuts::record(c.name());
+        }
         let (storage, shape) =
             self.storage()
                 .apply_op2(self.layout(), &rhs.storage(), rhs.layout(), c)?;
@@ -169,6 +176,9 @@ impl Tensor {
 
     /// Applies a ternary custom op without backward support
     pub fn apply_op3_no_bwd<C: CustomOp3>(&self, t2: &Self, t3: &Self, c: &C) -> Result<Self> {
+        if self.track_op() || t2.track_op() || t3.track_op() {
+            crate::cuts::record(c.name());
+        }
         let (storage, shape) = self.storage().apply_op3(
             self.layout(),
             &t2.storage(),

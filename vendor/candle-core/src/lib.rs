@@ -55,6 +55,7 @@ pub mod conv;
 mod convert;
 pub mod cpu;
 pub mod cpu_backend;
+pub mod cuts;
 #[cfg(feature = "cuda")]
 pub mod cuda_backend;
 mod custom_op;
