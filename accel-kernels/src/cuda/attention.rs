@@ -23,6 +23,7 @@ use half::{bf16, f16};
 
 use super::args::{BackwardInputs, FlashArgs, FlashDims};
 use super::launch::launch_flash;
+use super::operands::slice_of;
 use super::{device_cc, KernelId, WrapDriver};
 use crate::{Error, Result};
 
@@ -162,12 +163,7 @@ fn strided_view<'a, T: CudaDType>(
     s: &'a CudaStorage,
     l: &Layout,
 ) -> Result<CudaView<'a, T>> {
-    let slice = s
-        .as_cuda_slice::<T>()
-        .map_err(|_| Error::UnsupportedDType {
-            op,
-            dtype: s.dtype(),
-        })?;
+    let slice = slice_of::<T>(op, s)?;
     let extent = if l.dims().contains(&0) {
         0
     } else {

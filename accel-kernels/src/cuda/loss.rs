@@ -3,14 +3,13 @@
 //! rows in one fixed-order block, and the logits' gradient, with the count
 //! and the upstream gradient read on the device, never on the host.
 
-use candle_core::backend::BackendStorage;
 use candle_core::cuda::CudaStorage;
 use candle_core::Layout;
 use cudarc::driver::{CudaSlice, CudaView};
 
 use super::args::LossArgs;
 use super::launch::launch_loss;
-use super::operands::f32_view;
+use super::operands::{f32_view, view};
 use super::WrapDriver;
 use crate::{Error, Result};
 
@@ -33,16 +32,7 @@ fn dims(op: &'static str, xl: &Layout, tl: &Layout) -> Result<(u32, u32)> {
 
 /// The contiguous u32 targets.
 fn u32_view<'a>(op: &'static str, s: &'a CudaStorage, l: &Layout) -> Result<CudaView<'a, u32>> {
-    let slice = s
-        .as_cuda_slice::<u32>()
-        .map_err(|_| Error::UnsupportedDType {
-            op,
-            dtype: s.dtype(),
-        })?;
-    let (start, end) = l
-        .contiguous_offsets()
-        .ok_or(Error::RequiresContiguous { op, index: 1 })?;
-    Ok(slice.slice(start..end))
+    view(op, 1, s, l)
 }
 
 /// Per-row log-sum-exp, the mean loss and the count of counted rows.

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
-use cudarc::driver::{CudaStream, CudaView, DevicePtr, DevicePtrMut, SyncOnDrop};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::chunk_len;
 use crate::{Error, Result};
@@ -334,6 +334,17 @@ pub(crate) fn f32_view<'a>(
     view(op, index, s, l)
 }
 
+/// The whole buffer of `s` as elements of `T`, or the dtype error naming `op`.
+pub(crate) fn slice_of<'a, T: CudaDType>(
+    op: &'static str,
+    s: &'a CudaStorage,
+) -> Result<&'a CudaSlice<T>> {
+    s.as_cuda_slice::<T>().map_err(|_| Error::UnsupportedDType {
+        op,
+        dtype: s.dtype(),
+    })
+}
+
 /// The contiguous elements of `(s, l)`, of type `T`, as a view; `index`
 /// names the operand in errors.
 pub(crate) fn view<'a, T: CudaDType>(
@@ -342,12 +353,7 @@ pub(crate) fn view<'a, T: CudaDType>(
     s: &'a CudaStorage,
     l: &Layout,
 ) -> Result<CudaView<'a, T>> {
-    let slice = s
-        .as_cuda_slice::<T>()
-        .map_err(|_| Error::UnsupportedDType {
-            op,
-            dtype: s.dtype(),
-        })?;
+    let slice = slice_of::<T>(op, s)?;
     let (start, end) = l
         .contiguous_offsets()
         .ok_or(Error::RequiresContiguous { op, index })?;
