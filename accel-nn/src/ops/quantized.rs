@@ -19,7 +19,7 @@ const CUDA_QUANT_CHECKED: bool = false;
 ///
 /// On CPU the products dequantize tiles of the weight as they go (never the
 /// whole matrix). On CUDA, once `quant.cu` has passed its GPU check
-/// ([`CUDA_QUANT_CHECKED`]), bands of the weight are dequantized and
+/// (`CUDA_QUANT_CHECKED`), bands of the weight are dequantized and
 /// multiplied by cuBLAS one at a time and a few rows read the codes
 /// directly; until then, and on other devices, the weight is dequantized
 /// with candle ops for each call (correct everywhere, but the graph keeps
