@@ -14,21 +14,11 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+pub(crate) use super::attention_kernel::MaskSpec;
+use super::attention_kernel::{Bias, Dims, Kernel, View};
 use super::flash::Flash;
 use super::raw::{gemm, gemm_new, par, MatRef};
 use super::{from_f32, math, strided_f32, tensor_from_f32, with_f32, with_strided_f32};
-
-/// What the fused kernel masks: keys after `offset + i` for query `i`
-/// (causal) and/or an additive f32 bias already broadcast to `[b, h, t, s]`.
-#[derive(Clone, Default)]
-pub(crate) struct MaskSpec {
-    /// Causal masking with the query block starting at this absolute position.
-    pub causal_offset: Option<usize>,
-    /// With `causal_offset`: query `i` sees only keys `j > offset + i - window`.
-    pub window: Option<usize>,
-    /// Additive bias, f32, broadcast to `[b, h, t, s]` (zero strides allowed).
-    pub bias: Option<Tensor>,
-}
 
 /// The reference kernel: it keeps the probabilities `[b*h, t, s]` for
 /// backward and runs its products over the whole square. The default is
@@ -38,27 +28,6 @@ pub(crate) struct Attention {
     pub(super) mask: MaskSpec,
     pub(super) scale: f32,
     pub(super) probs: Mutex<Option<Vec<f32>>>,
-}
-
-/// What an attention kernel does on f32 views; [`Op`] makes either one a
-/// candle op with backward, and `attention_packed` runs either on a fused
-/// qkv projection.
-pub(crate) trait Kernel: Send + Sync {
-    /// The kernel for `mask` and `scale`.
-    fn new(mask: MaskSpec, scale: f32) -> Self;
-
-    /// The output `[b, h, t, d]`, keeping what backward needs.
-    fn run(&self, q: View<'_>, k: View<'_>, v: View<'_>, dims: Dims) -> Result<Vec<f32>>;
-
-    /// (dq, dk, dv), contiguous, from the output gradient `g [b, h, t, d]`.
-    fn backward(
-        &self,
-        q: View<'_>,
-        k: View<'_>,
-        v: View<'_>,
-        g: &[f32],
-        dims: Dims,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)>;
 }
 
 /// A [`Kernel`] as a candle op.
@@ -191,70 +160,6 @@ fn apply<K: Kernel + 'static>(
     };
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     q.apply_op3(&k, &v, Op(K::new(mask, scale as f32)))
-}
-
-impl MaskSpec {
-    /// The first key query row `i` sees (0 without a window).
-    pub(super) fn window_start(&self, i: usize) -> usize {
-        match (self.causal_offset, self.window) {
-            (Some(o), Some(w)) => (o + i + 1).saturating_sub(w),
-            _ => 0,
-        }
-    }
-
-    /// `f` with the bias as a strided f32 view (read in place), or `None`.
-    ///
-    /// # Errors
-    /// A bias that is not `[b, h, t, s]`; those of `f`.
-    pub(super) fn with_bias<R>(
-        &self,
-        dims: Dims,
-        f: impl FnOnce(Bias<'_>) -> Result<R>,
-    ) -> Result<R> {
-        let Some(bias) = &self.bias else {
-            return f(None);
-        };
-        if bias.dims() != [dims.b, dims.h, dims.t, dims.s] {
-            bail!("attention: bias {:?} is not [b, h, t, s]", bias.dims())
-        }
-        with_strided_f32(bias, |data, off, st| f(Some((data, off, st))))
-    }
-}
-
-/// The additive bias as a strided f32 view `[b, h, t, s]`, if any.
-pub(super) type Bias<'a> = Option<(&'a [f32], usize, &'a [usize])>;
-
-/// A strided f32 view: (data, start offset, strides).
-pub(super) type View<'a> = (&'a [f32], usize, &'a [usize]);
-
-/// The shapes of one call.
-#[derive(Clone, Copy)]
-pub(super) struct Dims {
-    pub(super) b: usize,
-    pub(super) h: usize,
-    pub(super) kvh: usize,
-    pub(super) t: usize,
-    pub(super) s: usize,
-    pub(super) d: usize,
-}
-
-impl Dims {
-    fn of(q: &[usize], k: &[usize], v: &[usize]) -> Result<Self> {
-        let ([b, h, t, d], [kb, kvh, s, kd], [vb, vh, vs, vd]) = (q, k, v) else {
-            bail!("attention: q {q:?}, k {k:?} and v {v:?} must be 4-D")
-        };
-        if (kb, kd) != (b, d) || (vb, vh, vs, vd) != (b, kvh, s, d) || *kvh == 0 || h % kvh != 0 {
-            bail!("attention: q {q:?} needs k and v [{b}, kv_heads dividing {h}, s, {d}], got {k:?} and {v:?}")
-        }
-        Ok(Self {
-            b: *b,
-            h: *h,
-            kvh: *kvh,
-            t: *t,
-            s: *s,
-            d: *d,
-        })
-    }
 }
 
 multiversion! {

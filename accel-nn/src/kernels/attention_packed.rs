@@ -10,7 +10,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::attention::{attention_kernel, Attention, AttentionKernel, Dims, Kernel, MaskSpec};
+use super::attention::{attention_kernel, Attention, AttentionKernel};
+use super::attention_kernel::{Dims, Kernel, MaskSpec};
 use super::flash::Flash;
 use super::raw::par;
 use super::{as_f32, from_f32, tensor_from_f32, with_f32};

@@ -20,7 +20,7 @@ use std::sync::Mutex;
 
 use candle_core::Result;
 
-use super::attention::{Bias, Dims, Kernel, MaskSpec, View};
+use super::attention_kernel::{Bias, Dims, Kernel, MaskSpec, View};
 use super::math;
 use super::raw::{gemm, par, MatRef};
 

@@ -28,6 +28,7 @@ mod raw;
 mod act;
 mod attention;
 mod attention_cuda;
+mod attention_kernel;
 mod attention_packed;
 mod bf16_path;
 mod flash;
@@ -45,11 +46,12 @@ mod skinny;
 mod softmax;
 
 pub(crate) use act::{pointwise, swiglu};
-pub(crate) use attention::{attention, MaskSpec};
+pub(crate) use attention::attention;
 pub use attention::{attention_kernel, AttentionKernel};
 #[cfg(test)]
 pub(crate) use attention::{attention_reference, attention_tiled};
 pub(crate) use attention_cuda::{attention_cuda, cuda_supported as attention_cuda_supported};
+pub(crate) use attention_kernel::MaskSpec;
 pub(crate) use attention_packed::attention_packed;
 pub use bf16_path::{bf16_path, with_bf16_path, Bf16Path};
 pub(crate) use linear::{linear, Act};
