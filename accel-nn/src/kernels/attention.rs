@@ -290,7 +290,7 @@ impl Kernel for Attention {
         q: View<'_>,
         k: View<'_>,
         v: View<'_>,
-        g: &[f32],
+        (_, g): (&[f32], &[f32]),
         dims: Dims,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let Dims { b, h, kvh, t, s, d } = dims;
@@ -380,16 +380,18 @@ impl<K: Kernel> CustomOp3 for Op<K> {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dims = Dims::of(q.dims(), k.dims(), v.dims())?;
         let (dq, dk, dv) = with_strided_f32(q, |qd, qo, qs| {
             with_strided_f32(k, |kd, ko, ks| {
                 with_strided_f32(v, |vd, vo, vs| {
-                    with_f32(grad, |g| {
-                        self.0
-                            .backward((qd, qo, qs), (kd, ko, ks), (vd, vo, vs), g, dims)
+                    with_f32(res, |y| {
+                        with_f32(grad, |g| {
+                            let (q, k, v) = ((qd, qo, qs), (kd, ko, ks), (vd, vo, vs));
+                            self.0.backward(q, k, v, (y, g), dims)
+                        })
                     })
                 })
             })

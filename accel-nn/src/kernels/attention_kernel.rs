@@ -58,13 +58,15 @@ pub(crate) trait Kernel: Send + Sync {
     /// The output `[b, h, t, d]`, keeping what backward needs.
     fn run(&self, q: View<'_>, k: View<'_>, v: View<'_>, dims: Dims) -> Result<Vec<f32>>;
 
-    /// (dq, dk, dv), contiguous, from the output gradient `g [b, h, t, d]`.
+    /// (dq, dk, dv), contiguous, from the output `y` and its gradient `g`
+    /// (both `[b, h, t, d]`, contiguous: the op's result is read back rather
+    /// than kept a second time from the forward).
     fn backward(
         &self,
         q: View<'_>,
         k: View<'_>,
         v: View<'_>,
-        g: &[f32],
+        yg: (&[f32], &[f32]),
         dims: Dims,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)>;
 }

@@ -101,27 +101,30 @@ impl<K: Kernel + 'static> CustomOp1 for Packed<K> {
         Ok((from_f32(merged, s.dtype())?, Shape::from((b, t, d))))
     }
 
-    fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+    fn bwd(&self, qkv: &Tensor, res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let dims = self.dims(qkv.dims())?;
         let Dims { b, h, t, d: hd, .. } = dims;
         let d = h * hd;
         if d == 0 || b * t == 0 {
             return Ok(Some(qkv.zeros_like()?));
         }
-        // [b, t, h * hd] -> [b, h, t, hd]
-        let g = with_f32(grad, |gr| {
-            Ok(par::new_vec(b * t * d, t * hd, |bh, out| {
-                let (bi, hi) = (bh / h, bh % h);
-                for (ti, o) in out.chunks_exact_mut(hd).enumerate() {
-                    let src = (bi * t + ti) * d + hi * hd;
-                    o.copy_from_slice(&gr[src..src + hd]);
-                }
-            }))
-        })?;
+        // The output and its gradient, [b, t, h * hd] -> [b, h, t, hd].
+        let heads = |x: &Tensor| {
+            with_f32(x, |merged| {
+                Ok(par::new_vec(b * t * d, t * hd, |bh, out| {
+                    let (bi, hi) = (bh / h, bh % h);
+                    for (ti, o) in out.chunks_exact_mut(hd).enumerate() {
+                        let src = (bi * t + ti) * d + hi * hd;
+                        o.copy_from_slice(&merged[src..src + hd]);
+                    }
+                }))
+            })
+        };
+        let (y, g) = (heads(res)?, heads(grad)?);
         let st = head_strides(dims);
         let (dq, dk, dv) = with_f32(qkv, |x| {
             self.inner
-                .backward((x, 0, &st), (x, d, &st), (x, 2 * d, &st), &g, dims)
+                .backward((x, 0, &st), (x, d, &st), (x, 2 * d, &st), (&y, &g), dims)
         })?;
         // Scatter the three [b, h, t, hd] gradients into dqkv rows.
         let dqkv = par::new_vec(b * t * 3 * d, 3 * d, |row, out| {

@@ -34,8 +34,9 @@ pub(crate) const BC: usize = 128;
 pub(crate) struct Flash {
     pub(crate) mask: MaskSpec,
     pub(crate) scale: f32,
-    /// The f32 output `[b, h, t, d]` and log-sum-exp `[b, h, t]` of the forward.
-    saved: Mutex<Option<(Vec<f32>, Vec<f32>)>>,
+    /// The log-sum-exp `[b, h, t]` of the forward (its output is the op's
+    /// result, which the backward is handed).
+    saved: Mutex<Option<Vec<f32>>>,
 }
 
 /// Where one (batch, head) reads its operands.
@@ -222,27 +223,27 @@ impl Kernel for Flash {
     }
 
     /// The forward pass with the mask's bias read in place: the output
-    /// `[b, h, t, d]`; the output and log-sum-exps are kept for backward.
+    /// `[b, h, t, d]`; the log-sum-exps are kept for backward.
     fn run(&self, q: View<'_>, k: View<'_>, v: View<'_>, dims: Dims) -> Result<Vec<f32>> {
         let (y, lse) = self
             .mask
             .with_bias(dims, |bias| Ok(self.forward((q, k, v), dims, bias)))?;
-        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some((y.clone(), lse));
+        *self.saved.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         Ok(y)
     }
 
     /// (dq, dk, dv), contiguous `[b, h, t, d]` / `[b, kv_h, s, d]`, from the
-    /// saved output and log-sum-exps and the output gradient `g [b, h, t, d]`.
+    /// saved log-sum-exps, the output `y` and its gradient `g [b, h, t, d]`.
     fn backward(
         &self,
         q: View<'_>,
         k: View<'_>,
         v: View<'_>,
-        g: &[f32],
+        yg: (&[f32], &[f32]),
         dims: Dims,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         self.mask
-            .with_bias(dims, |bias| self.backward_with((q, k, v), g, dims, bias))
+            .with_bias(dims, |bias| self.backward_with((q, k, v), yg, dims, bias))
     }
 }
 
@@ -250,14 +251,14 @@ impl Flash {
     fn backward_with(
         &self,
         (q, k, v): (View<'_>, View<'_>, View<'_>),
-        g: &[f32],
+        (y, g): (&[f32], &[f32]),
         dims: Dims,
         bias: Bias<'_>,
     ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let Dims { b, h, kvh, t, s, d } = dims;
         let n_rep = h / kvh;
         let guard = self.saved.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((y, lse)) = guard.as_ref() else {
+        let Some(lse) = guard.as_ref() else {
             candle_core::bail!("attention backward without its forward state")
         };
         let mut dq = vec![0f32; b * h * t * d];
