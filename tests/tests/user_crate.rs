@@ -148,6 +148,8 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         ("mixformer", "bf16", 25),
         ("stella_en_v5", "no", 28),
         ("stella_en_v5", "bf16", 28),
+        ("nvembed_v2", "no", 36),
+        ("nvembed_v2", "bf16", 36),
         ("nomic_bert", "no", 24),
         ("nomic_bert", "bf16", 24),
         ("jina_bert", "no", 36),

@@ -87,8 +87,9 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
         "gemma" | "glm4" | "deepseek2" | "granite" | "mamba" | "xlm_roberta" => {
             more::forward(which, vb, &varmap, &dev)?.expect("built in more.rs")
         }
-        "mixformer" | "stella_en_v5" | "nomic_bert" | "jina_bert" | "chatglm" | "codegeex4_9b"
-        | "glm4_new" | "lfm2" | "bigcode" | "llama2_c" | "recurrent_gemma" | "granitemoehybrid" => {
+        "mixformer" | "stella_en_v5" | "nvembed_v2" | "nomic_bert" | "jina_bert" | "chatglm"
+        | "codegeex4_9b" | "glm4_new" | "lfm2" | "bigcode" | "llama2_c" | "recurrent_gemma"
+        | "granitemoehybrid" => {
             rest::forward(which, vb, &varmap, &dev)?.expect("built in rest.rs")
         }
         "gemma4" | "based" | "rwkv_v5" | "rwkv_v6" | "rwkv_v7" | "mamba2" | "marian"
@@ -485,6 +486,7 @@ fn main() -> Result<()> {
         "xlm_roberta",
         "mixformer",
         "stella_en_v5",
+        "nvembed_v2",
         "nomic_bert",
         "jina_bert",
         "chatglm",

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::{
     bigcode, chatglm, codegeex4_9b, glm4_new, granitemoehybrid, jina_bert, lfm2, llama2_c,
-    mixformer, nomic_bert, recurrent_gemma, stella_en_v5,
+    mistral, mixformer, nomic_bert, nvembed_v2, recurrent_gemma, stella_en_v5,
 };
 use serde_json::json;
 use std::cell::RefCell;
@@ -94,6 +94,31 @@ pub fn forward(
                 vb.pp("embed_head"),
             )?);
             Box::new(move |_: &Accelerator| loss(m.borrow_mut().forward(&long, &mask)?, &labels))
+        }
+        "nvembed_v2" => {
+            // NV-Embed-v2's layout at a tiny size: a bidirectional Mistral, latent-attention
+            // pooling (4 latents, 2 heads of 8), the mean-pooled embedding scored as 2 classes.
+            let cfg: mistral::Config = serde_json::from_value(with(
+                decoder_json(),
+                json!({"use_flash_attn": false, "head_dim": null}),
+            ))?;
+            let latent = nvembed_v2::model::LatentConfig {
+                num_latents: 4,
+                heads: 2,
+                dim_head: 8,
+            };
+            let m = RefCell::new(nvembed_v2::model::Model::new_with_config(
+                &cfg,
+                latent,
+                vb.clone(),
+            )?);
+            let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
+            let pool = mask.to_dtype(vb.dtype())?;
+            Box::new(move |_: &Accelerator| {
+                let emb = m.borrow_mut().forward(&long, &mask, &pool)?;
+                let logits = head.forward(&emb)?.to_dtype(DType::F32)?;
+                Ok(candle_nn::loss::cross_entropy(&logits, &labels)?)
+            })
         }
         "nomic_bert" => {
             let cfg: nomic_bert::Config = serde_json::from_value(json!({

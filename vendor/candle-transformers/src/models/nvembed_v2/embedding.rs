@@ -289,6 +289,9 @@ fn get_dtype_min_val(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => f32::MIN as f64,
         DType::F64 => f64::MIN,
+        // accel-rs patch: the half types' minima (upstream panicked on them).
+        DType::BF16 => f32::from_bits(0xFF7F_0000) as f64, // bf16::MIN
+        DType::F16 => -65504.0,                             // f16::MIN
         _ => panic!("Unsupported data type"),
     }
 }

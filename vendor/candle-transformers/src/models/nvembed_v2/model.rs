@@ -164,16 +164,47 @@ pub struct Model {
     pub dtype: DType,
 }
 
+/// The latent-attention pooling's sizes (accel-rs patch: NV-Embed-v2's are written in `Model::new`).
+#[derive(Debug, Clone, Copy)]
+pub struct LatentConfig {
+    /// Latent vectors the hidden states attend to (512 in NV-Embed-v2).
+    pub num_latents: usize,
+    /// Cross-attention heads (8).
+    pub heads: usize,
+    /// Width of each head (4096).
+    pub dim_head: usize,
+}
+
+impl LatentConfig {
+    /// NV-Embed-v2's.
+    pub fn nv_embed_v2() -> Self {
+        Self {
+            num_latents: 512,
+            heads: 8,
+            dim_head: 4096,
+        }
+    }
+}
+
 impl Model {
     pub fn new(vb: VarBuilder) -> Result<Self> {
+        Self::new_with_config(
+            &Config::config_7b_v0_1(false),
+            LatentConfig::nv_embed_v2(),
+            vb,
+        )
+    }
+
+    /// The model for a decoder `cfg` and latent pooling `latent` (accel-rs patch: `new` builds
+    /// only NV-Embed-v2's 7B Mistral, so no smaller model could be made, say to test training).
+    pub fn new_with_config(cfg: &Config, latent: LatentConfig, vb: VarBuilder) -> Result<Self> {
         // Embedding model
-        let cfg = Config::config_7b_v0_1(false);
-        let embedding_model = EmbeddingModel::new(&cfg, vb.pp("embedding_model"))?;
+        let embedding_model = EmbeddingModel::new(cfg, vb.pp("embedding_model"))?;
 
         // Latent attention
-        let dim = 4096;
+        let dim = cfg.hidden_size;
         let vb = vb.pp("latent_attention_model");
-        let latents = vb.get((512, dim), "latents")?;
+        let latents = vb.get((latent.num_latents, dim), "latents")?;
 
         // Cross attend blocks
         let vb = vb.pp("cross_attend_blocks");
@@ -183,7 +214,8 @@ impl Model {
             candle_nn::LayerNormConfig::default(),
             vb.pp("0.norm_context"),
         )?;
-        let cross_attn = CrossAttention::new(vb.pp("0.fn"), dim, None, 8, 4096)?;
+        let cross_attn =
+            CrossAttention::new(vb.pp("0.fn"), dim, None, latent.heads, latent.dim_head)?;
 
         let ff_norm = layer_norm(dim, LayerNormConfig::default(), vb.pp("1.norm"))?;
         let ff = FeedForward::new(vb.pp("1.fn"), dim, None, 4)?;
