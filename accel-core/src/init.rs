@@ -206,6 +206,30 @@ pub fn init_values(seed: u64, name: &str, init: Init, shape: &Shape) -> Vec<f32>
 }
 
 impl FullVars {
+    /// The parameter `name` if it was made already, in `dtype` (checked to
+    /// have shape `s` when one is asked for); a tied weight asked for again
+    /// stays as frozen as the first time.
+    fn existing(
+        data: &HashMap<String, Var>,
+        init: &SeededBackend,
+        name: &str,
+        s: Option<&Shape>,
+        dtype: DType,
+    ) -> candle_core::Result<Option<Tensor>> {
+        let Some(v) = data.get(name) else {
+            return Ok(None);
+        };
+        let t = v.as_tensor();
+        if let Some(s) = s.filter(|s| t.shape() != *s) {
+            candle_core::bail!(
+                "parameter `{name}` requested with shape {s:?} but it exists with shape {:?}",
+                t.shape()
+            );
+        }
+        let t = t.to_dtype(dtype)?;
+        Ok(Some(if init.is_frozen(name) { t.detach() } else { t }))
+    }
+
     fn get(
         &self,
         init: &SeededBackend,
@@ -216,25 +240,17 @@ impl FullVars {
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
         let mut data = self.varmap.data().lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(v) = data.get(name) {
-            let t = v.as_tensor();
-            if t.shape() != &s {
-                candle_core::bail!(
-                    "parameter `{name}` requested with shape {s:?} but it exists with shape {:?}",
-                    t.shape()
-                );
-            }
-            let t = t.to_dtype(dtype)?;
-            // A tied weight asked for again stays as frozen as the first time.
-            return Ok(if init.is_frozen(name) { t.detach() } else { t });
+        if let Some(t) = Self::existing(&data, init, name, Some(&s), dtype)? {
+            return Ok(t);
         }
         if init.is_frozen(name) {
             let value = init.initial_as(name, h, &s, dev, dtype)?;
             // Taken as read: a weight converted or quantized on load is held
             // once, not copied again into its variable.
-            let value = match value.dtype() == dtype {
-                true => value,
-                false => value.to_dtype(dtype)?,
+            let value = if value.dtype() == dtype {
+                value
+            } else {
+                value.to_dtype(dtype)?
             };
             let var = Var::from_tensor_owned(value)?;
             let t = var.as_tensor().detach();
@@ -356,13 +372,12 @@ impl SimpleBackend for SeededBackend {
             // once its user has made that tensor.
             Keep::Full(full) => {
                 let data = full.varmap.data().lock().unwrap_or_else(|e| e.into_inner());
-                let Some(v) = data.get(name) else {
-                    candle_core::bail!(
+                match FullVars::existing(&data, self, name, None, dtype)? {
+                    Some(t) => Ok(t),
+                    None => candle_core::bail!(
                         "parameter `{name}`: a seeded var builder needs a shape and an init"
-                    )
-                };
-                let t = v.as_tensor().to_dtype(dtype)?;
-                Ok(if self.is_frozen(name) { t.detach() } else { t })
+                    ),
+                }
             }
             Keep::Piece(_) => candle_core::bail!(
                 "parameter `{name}`: a sharded var builder needs a shape and an init"
