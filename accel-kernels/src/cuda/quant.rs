@@ -111,21 +111,12 @@ fn forward<T: Elem>(
         return Ok(CudaStorage::wrap_cuda_slice(y, dev));
     }
     let band = (tile_elems / inp).clamp(1, out);
-    let product = |o0: usize, rows: usize| -> Result<CudaStorage> {
+    in_bands::<T>(op, &dev, (n, out), band, |o0, rows| {
         let t = parts.tile::<T>(op, &dev, (o0, rows), (0, inp))?;
         let t = CudaStorage::wrap_cuda_slice(t, dev.clone());
         let tl = Layout::contiguous((rows, inp)).transpose(0, 1)?;
         Ok(x.0.matmul(&t, (1, n, rows, inp), x.1, &tl)?)
-    };
-    if band == out {
-        return product(0, out);
-    }
-    let mut y = zeros::<T>(op, &dev, n * out)?;
-    for o0 in (0..out).step_by(band) {
-        let rows = band.min(out - o0);
-        product(o0, rows)?.copy2d(&mut y, n, rows, rows, out, 0, o0)?;
-    }
-    Ok(y)
+    })
 }
 
 fn backward<T: Elem>(
@@ -148,21 +139,33 @@ fn backward<T: Elem>(
         return zeros::<T>(op, &dev, n * inp);
     }
     let band = (tile_elems / out).clamp(1, inp);
-    let product = |k0: usize, cols: usize| -> Result<CudaStorage> {
+    in_bands::<T>(op, &dev, (n, inp), band, |k0, cols| {
         let t = parts.tile::<T>(op, &dev, (0, out), (k0, cols))?;
         let t = CudaStorage::wrap_cuda_slice(t, dev.clone());
         let tl = Layout::contiguous((out, cols));
         Ok(dy.0.matmul(&t, (1, n, cols, out), dy.1, &tl)?)
-    };
-    if band == inp {
-        return product(0, inp);
+    })
+}
+
+/// The `[n, width]` result whose columns `c0..c0 + len` are `product(c0, len)`
+/// (`[n, len]`), in bands of `band` columns: one product when a band is the
+/// whole width, else each copied into place.
+fn in_bands<T: Elem>(
+    op: &'static str,
+    dev: &CudaDevice,
+    (n, width): (usize, usize),
+    band: usize,
+    product: impl Fn(usize, usize) -> Result<CudaStorage>,
+) -> Result<CudaStorage> {
+    if band >= width {
+        return product(0, width);
     }
-    let mut dx = zeros::<T>(op, &dev, n * inp)?;
-    for k0 in (0..inp).step_by(band) {
-        let cols = band.min(inp - k0);
-        product(k0, cols)?.copy2d(&mut dx, n, cols, cols, inp, 0, k0)?;
+    let mut out = zeros::<T>(op, dev, n * width)?;
+    for c0 in (0..width).step_by(band) {
+        let len = band.min(width - c0);
+        product(c0, len)?.copy2d(&mut out, n, len, len, width, 0, c0)?;
     }
-    Ok(dx)
+    Ok(out)
 }
 
 fn zeros<T: Elem>(op: &'static str, dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
