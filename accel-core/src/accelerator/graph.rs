@@ -168,10 +168,13 @@ impl Accelerator {
                 continue;
             }
             let unreached = model.unreached_parameters();
+            let (rank, never) = (self.process_index(), !reached_somewhere);
+            let report =
+                || unused_report(i, rank, &unreached, never, &candle_core::cuts::recorded());
             let strict = self.num_processes() > 1 && !self.config.ddp.find_unused_parameters;
             if strict {
                 error.get_or_insert(Error::UnusedParameters {
-                    rank: self.process_index(),
+                    rank,
                     report: if unreached.is_empty() {
                         format!(
                             "prepared model {i}: another rank's backward left up to \
@@ -180,16 +183,11 @@ impl Accelerator {
                              `DdpConfig::find_unused_parameters` accepts it"
                         )
                     } else {
-                        let cuts = candle_core::cuts::recorded();
-                        let (rank, never) = (self.process_index(), !reached_somewhere);
-                        unused_report(i, rank, &unreached, never, &cuts)
+                        report()
                     },
                 });
             } else if !unreached.is_empty() {
-                let cuts = candle_core::cuts::recorded();
-                let (rank, never) = (self.process_index(), !reached_somewhere);
-                let report = unused_report(i, rank, &unreached, never, &cuts);
-                crate::notice::warn(&report);
+                crate::notice::warn(&report());
             }
         }
         error.map_or(Ok(()), Err)
