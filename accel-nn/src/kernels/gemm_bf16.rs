@@ -205,10 +205,21 @@ impl Drop for PackedB {
 /// When the CPU lacks AVX-512 BF16 ([`super::raw::bf16_tile_available`]),
 /// or an operand or a packed panel is out of its slice.
 pub(crate) fn gemm_new_bf16_packed(
-    (m, n, k): (usize, usize, usize),
+    dims: (usize, usize, usize),
     a: Packed<'_, '_>,
     b: Packed<'_, '_>,
 ) -> Vec<f32> {
+    with_operands(dims, a, b, |lhs, pack_b| avx512_new_with(dims, lhs, pack_b))
+}
+
+/// `run(lhs, pack_b)` with [`gemm_new_bf16_packed`]'s operands resolved:
+/// checked, and an f32 matrix given its packer.
+pub(super) fn with_operands<R>(
+    (m, n, k): (usize, usize, usize),
+    a: Packed<'_, '_>,
+    b: Packed<'_, '_>,
+    run: impl FnOnce(Lhs, &PackB) -> R,
+) -> R {
     let lhs;
     let pack_lhs = match a {
         Packed::Lhs(f) => Lhs::Pack(f),
@@ -244,7 +255,7 @@ pub(crate) fn gemm_new_bf16_packed(
             panic!("a left operand given for the right")
         }
     };
-    avx512_new_with((m, n, k), pack_lhs, pack_rhs)
+    run(pack_lhs, pack_rhs)
 }
 
 /// An operand of [`gemm_new_bf16_packed`]: an f32 matrix, or its packer.
@@ -267,7 +278,7 @@ pub(crate) enum Packed<'a, 'f> {
 
 /// Rows of `c` per parallel task for `m` rows: up to `MC`, fewer (down to
 /// one panel of `MR`) when there are few rows, so every thread gets some.
-fn task_rows(m: usize) -> usize {
+pub(super) fn task_rows(m: usize) -> usize {
     let panels = m.div_ceil(MR);
     let per = panels.div_ceil(4 * par::threads()).clamp(1, MC / MR);
     per * MR
@@ -275,7 +286,7 @@ fn task_rows(m: usize) -> usize {
 
 /// Where [`avx512_new_with`] takes its left operand's tiles from.
 #[derive(Clone, Copy)]
-enum Lhs<'a, 'f> {
+pub(super) enum Lhs<'a, 'f> {
     /// Packed a task's rows at a time, into panels.
     Pack(&'f PackA<'f>),
     /// Packed a task's rows at a time, row by row.
@@ -310,60 +321,72 @@ fn avx512_new_with((m, n, k): (usize, usize, usize), lhs: Lhs, pack_b: &PackB) -
     }
     // Zeroed in parallel chunks, not one serial memset.
     let mut c = par::new_vec(m * n, 1 << 14, |_, _| {});
-    let panels = n.div_ceil(NR);
     let mc = task_rows(m);
     for k0 in (0..k).step_by(2 * KC_PAIRS) {
         let kc = (2 * KC_PAIRS).min(k - k0);
-        let pairs = kc.div_ceil(2);
         let packed_b = pack_b((k0, kc));
-        let (bp, pair_major) = (&packed_b.data, packed_b.pair_major);
-        assert!(bp.len() >= panels * pairs * NR, "packed rhs is short");
-        // Where panel `q` starts and the stride between its pairs.
-        let panel = |q: usize| {
-            if pair_major {
-                (&bp[q * NR..], panels * NR)
-            } else {
-                (&bp[q * pairs * NR..][..pairs * NR], NR)
-            }
-        };
         par::chunks_mut(&mut c, mc * n, |t, c| {
-            let rows = c.len() / n;
-            let tiles = rows.div_ceil(MR);
-            let packed = match lhs {
-                Lhs::Pack(pack_a) | Lhs::PackRows(pack_a) => pack_a(t * mc, rows, (k0, kc)),
-                Lhs::Rows(a) => {
-                    // Only a tile short of `MR` rows (the last) is packed.
-                    let short = rows % MR;
-                    let r0 = t * mc + rows - short;
-                    match short {
-                        0 => Vec::new(),
-                        _ => panel_of_rows(a, k / 2, r0, short, (k0 / 2, pairs)),
-                    }
-                }
-            };
-            let a_tile = |s: usize| match lhs {
-                Lhs::Pack(_) => TileA::Panel(&packed[s * pairs * MR..][..pairs * MR]),
-                Lhs::PackRows(_) => TileA::Rows(&packed[s * MR * pairs..], pairs),
-                Lhs::Rows(a) if (s + 1) * MR <= rows => {
-                    TileA::Rows(&a[(t * mc + s * MR) * (k / 2) + k0 / 2..], k / 2)
-                }
-                Lhs::Rows(_) => TileA::Panel(&packed),
-            };
-            if let Lhs::Pack(_) | Lhs::PackRows(_) = lhs {
-                assert!(packed.len() >= tiles * pairs * MR, "packed lhs is short");
-            }
-            for q in 0..panels {
-                let j0 = q * NR;
-                let bq = panel(q);
-                for s in 0..tiles {
-                    let r0 = s * MR;
-                    let tile = (MR.min(rows - r0), NR.min(n - j0));
-                    bf16_tile(pairs, a_tile(s), bq, &mut c[r0 * n + j0..], n, tile, k0 > 0);
-                }
-            }
+            task_block(lhs, (t * mc, k), (k0, kc), &packed_b, c, n)
         });
     }
     c
+}
+
+/// The products of block `k0..k0 + kc` of `k` for the task whose rows of
+/// `c` start at `i0`: `c` (`[rows][n]`) overwritten when `k0` is 0, added
+/// to after.
+pub(super) fn task_block(
+    lhs: Lhs,
+    (i0, k): (usize, usize),
+    (k0, kc): (usize, usize),
+    packed_b: &PackedB,
+    c: &mut [f32],
+    n: usize,
+) {
+    let (panels, pairs) = (n.div_ceil(NR), kc.div_ceil(2));
+    let (bp, pair_major) = (&packed_b.data, packed_b.pair_major);
+    assert!(bp.len() >= panels * pairs * NR, "packed rhs is short");
+    // Where panel `q` starts and the stride between its pairs.
+    let panel = |q: usize| {
+        if pair_major {
+            (&bp[q * NR..], panels * NR)
+        } else {
+            (&bp[q * pairs * NR..][..pairs * NR], NR)
+        }
+    };
+    let rows = c.len() / n;
+    let tiles = rows.div_ceil(MR);
+    let packed = match lhs {
+        Lhs::Pack(pack_a) | Lhs::PackRows(pack_a) => pack_a(i0, rows, (k0, kc)),
+        Lhs::Rows(a) => {
+            // Only a tile short of `MR` rows (the last) is packed.
+            let short = rows % MR;
+            match short {
+                0 => Vec::new(),
+                _ => panel_of_rows(a, k / 2, i0 + rows - short, short, (k0 / 2, pairs)),
+            }
+        }
+    };
+    let a_tile = |s: usize| match lhs {
+        Lhs::Pack(_) => TileA::Panel(&packed[s * pairs * MR..][..pairs * MR]),
+        Lhs::PackRows(_) => TileA::Rows(&packed[s * MR * pairs..], pairs),
+        Lhs::Rows(a) if (s + 1) * MR <= rows => {
+            TileA::Rows(&a[(i0 + s * MR) * (k / 2) + k0 / 2..], k / 2)
+        }
+        Lhs::Rows(_) => TileA::Panel(&packed),
+    };
+    if let Lhs::Pack(_) | Lhs::PackRows(_) = lhs {
+        assert!(packed.len() >= tiles * pairs * MR, "packed lhs is short");
+    }
+    for q in 0..panels {
+        let j0 = q * NR;
+        let bq = panel(q);
+        for s in 0..tiles {
+            let r0 = s * MR;
+            let tile = (MR.min(rows - r0), NR.min(n - j0));
+            bf16_tile(pairs, a_tile(s), bq, &mut c[r0 * n + j0..], n, tile, k0 > 0);
+        }
+    }
 }
 
 /// Consecutive values as pairs: `out[p] = pair(v[2p], v[2p + 1])`, zero
@@ -462,84 +485,5 @@ fn pack_a(a: &MatRef, i0: usize, rows: usize, (k0, kc): (usize, usize)) -> Vec<u
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::kernels::raw::gemm_new;
-
-    fn data(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let v = ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) % 2000) as f32;
-                half::bf16::from_f32(v / 1000.0 - 1.0).to_f32()
-            })
-            .collect()
-    }
-
-    #[test]
-    fn rounding_is_to_nearest_even_like_half() {
-        // Ties: 1 + 2^-8 rounds down to 1.0 (even), 1 + 3 * 2^-8 up.
-        let ties = [f32::from_bits(0x3f80_8000), f32::from_bits(0x3f81_8000)];
-        assert_eq!((bf16_bits(ties[0]), bf16_bits(ties[1])), (0x3f80, 0x3f82));
-        for x in [
-            1.0f32,
-            -2.5,
-            ties[0],
-            ties[1],
-            3.0e38,
-            1e-40,
-            f32::INFINITY,
-            -0.0,
-        ] {
-            let want = half::bf16::from_f32(x).to_bits();
-            assert_eq!(bf16_bits(x), want, "{x}");
-        }
-        assert!(half::bf16::from_bits(bf16_bits(f32::NAN)).is_nan());
-    }
-
-    #[test]
-    fn products_match_the_f32_gemm_on_bf16_values_in_every_layout() {
-        if !available() {
-            // Nothing to multiply here; the ops must then keep to the f32
-            // gemm (their own tests check the results).
-            assert!(!bf16_products(DType::BF16, DType::BF16));
-            return;
-        }
-        // Ragged shapes: rows past a task and a tile, columns past a panel,
-        // k odd and past a block.
-        for (m, n, k) in [
-            (1, 1, 1),
-            (15, 33, 7),
-            (57, 65, 513),
-            (100, 40, 1030),
-            (3, 300, 2),
-        ] {
-            let (x, y) = (data(m * k, 1), data(k * n, 2));
-            // a row-major or transposed, b row-major or transposed.
-            let xt: Vec<f32> = (0..k * m).map(|t| x[(t % m) * k + t / m]).collect();
-            let yt: Vec<f32> = (0..n * k).map(|t| y[(t % k) * n + t / k]).collect();
-            let want = gemm_new(
-                (m, n, k),
-                MatRef::rows(&x, 0, k),
-                MatRef::rows(&y, 0, n),
-                true,
-            );
-            for (a, b) in [
-                (MatRef::rows(&x, 0, k), MatRef::rows(&y, 0, n)),
-                (MatRef::rows_t(&xt, 0, m), MatRef::rows_t(&yt, 0, k)),
-            ] {
-                let mut outs = vec![gemm_new_bf16((m, n, k), a, b)];
-                if bf16_tile_available() {
-                    // The AVX-512 kernel also where AMX takes the products.
-                    outs.push(avx512_new((m, n, k), a, b));
-                }
-                for (g, w) in outs.iter().flatten().zip(want.iter().cycle()) {
-                    // Exact products, f32 sums in another order.
-                    assert!(
-                        (g - w).abs() <= 1e-5 * (k as f32).sqrt() * w.abs().max(1.0),
-                        "{m} {n} {k}: {g} vs {w}"
-                    );
-                }
-            }
-        }
-    }
-}
+#[path = "gemm_bf16_tests.rs"]
+mod tests;

@@ -10,7 +10,8 @@
 
 use half::bf16;
 
-use super::gemm_bf16::{gemm_new_bf16_packed, Packed, PackedB, MR, NR};
+use super::gemm_bf16::{Packed, PackedB, MR, NR};
+use super::gemm_bf16_t::gemm_new_bf16_packed_t;
 use super::raw::{bf16_tile_available, pair_rows, par, prefetch, MatRef};
 
 /// Rows of the weight ahead of the one being packed that are prefetched.
@@ -49,10 +50,8 @@ impl Rows<'_> {
             Rows::Bf16(v) if len.is_multiple_of(2) => {
                 let pairs: &[u32] = bytemuck::cast_slice(v);
                 let rows = pairs.len() / (len / 2);
-                let pack = |(k0, kc): (usize, usize)| PackedB {
-                    data: columns_of_rows(pairs, len / 2, rows, (k0 / 2, kc.div_ceil(2))),
-                    pair_major: false,
-                    reused: false,
+                let pack = |(k0, kc): (usize, usize)| {
+                    columns_of_rows(pairs, len / 2, rows, (k0 / 2, kc.div_ceil(2)))
                 };
                 f(Packed::Rhs(&pack))
             }
@@ -67,19 +66,32 @@ impl Rows<'_> {
 
 /// Pairs `p0..p0 + pairs` of each of the `rows` rows of `src` (`[rows][ld]`
 /// pairs) as the columns of a right operand: panels of `NR` rows, each
-/// `[pairs][NR]`, zero past the last row.
-fn columns_of_rows(src: &[u32], ld: usize, rows: usize, (p0, pairs): (usize, usize)) -> Vec<u32> {
+/// `[pairs][NR]`, zero past the last row. In a reused packing buffer: a
+/// fresh one per block of every product was 3% of a bf16 LoRA step's CPU
+/// time in zero fills (and the page faults under them).
+fn columns_of_rows(src: &[u32], ld: usize, rows: usize, (p0, pairs): (usize, usize)) -> PackedB {
     let panels = rows.div_ceil(NR);
-    let mut out = vec![0u32; panels * pairs * NR];
-    par::chunks_mut(&mut out, pairs * NR, |q, panel| {
-        for j in 0..NR.min(rows - q * NR) {
-            let row = &src[(q * NR + j) * ld + p0..][..pairs];
-            for (dst, &v) in panel[j..].iter_mut().step_by(NR).zip(row) {
-                *dst = v;
+    let mut packed = PackedB::reused(panels * pairs * NR);
+    packed.pair_major = false;
+    par::chunks_mut(
+        &mut packed.data[..panels * pairs * NR],
+        pairs * NR,
+        |q, panel| {
+            let live = NR.min(rows - q * NR);
+            for j in 0..live {
+                let row = &src[(q * NR + j) * ld + p0..][..pairs];
+                for (dst, &v) in panel[j..].iter_mut().step_by(NR).zip(row) {
+                    *dst = v;
+                }
             }
-        }
-    });
-    out
+            if live < NR {
+                for pair in panel.chunks_exact_mut(NR) {
+                    pair[live..].fill(0);
+                }
+            }
+        },
+    );
+    packed
 }
 
 /// `y [n, out] = x [n, inp] @ W^T` for a bf16 `W [out, inp]` (`x` bf16
@@ -89,7 +101,8 @@ pub(super) fn forward(x: Rows, n: usize, w: &[bf16], out: usize, inp: usize) -> 
 }
 
 /// [`forward`] with each output value made by `f` (the output's dtype) as
-/// it is written, in the same pass as the transpose of the product.
+/// it is written: the product is `yT [out, n] = W x^T` (the weight's rows
+/// read in place), stored transposed.
 pub(super) fn forward_as<T: Copy + Default + Send>(
     x: Rows,
     n: usize,
@@ -97,42 +110,17 @@ pub(super) fn forward_as<T: Copy + Default + Send>(
     (out, inp): (usize, usize),
     f: impl Fn(f32) -> T + Sync,
 ) -> Vec<T> {
-    let yt = x.transposed(inp, |x_t| product_t(x_t, n, w, out, inp));
-    transpose(&yt, out, n, f)
-}
-
-/// `t [cols, rows]` of `m [rows, cols]`, each value through `f`, in bands
-/// of 16 rows of `t`: each band reads one cache line of each row of `m`.
-/// (A row of `t` at a time read `m` once per row from beyond L2.)
-fn transpose<T: Copy + Default + Send>(
-    m: &[f32],
-    rows: usize,
-    cols: usize,
-    f: impl Fn(f32) -> T + Sync,
-) -> Vec<T> {
-    const BAND: usize = 16;
-    par::new_vec(rows * cols, BAND * rows, |b, band| {
-        let i0 = b * BAND;
-        let width = band.len() / rows.max(1);
-        for (o, src) in m.chunks_exact(cols).enumerate() {
-            for (j, &v) in src[i0..i0 + width].iter().enumerate() {
-                band[j * rows + o] = f(v);
+    x.transposed(inp, |x_t| {
+        // Rows of an even length whose storage is 4-byte aligned are the
+        // microkernel's pairs as they lie: no packing pass (it was 14% of a
+        // bf16 LoRA step's CPU time on a Zen 4).
+        match bytemuck::try_cast_slice::<bf16, u32>(w) {
+            Ok(rows) if inp.is_multiple_of(2) => {
+                gemm_new_bf16_packed_t((out, n, inp), Packed::LhsRows(rows), x_t, f)
             }
+            _ => gemm_new_bf16_packed_t((out, n, inp), Packed::Lhs(&packer(w, inp)), x_t, f),
         }
     })
-}
-
-/// `yT [out, n] = W x^T`.
-fn product_t(x_t: Packed, n: usize, w: &[bf16], out: usize, inp: usize) -> Vec<f32> {
-    // yT [out, n] = W x^T. Rows of an even length whose storage is 4-byte
-    // aligned are the microkernel's pairs as they lie: no packing pass (it
-    // was 14% of a bf16 LoRA step's CPU time on a Zen 4).
-    match bytemuck::try_cast_slice::<bf16, u32>(w) {
-        Ok(rows) if inp.is_multiple_of(2) => {
-            gemm_new_bf16_packed((out, n, inp), Packed::LhsRows(rows), x_t)
-        }
-        _ => gemm_new_bf16_packed((out, n, inp), Packed::Lhs(&packer(w, inp)), x_t),
-    }
 }
 
 /// Packs a task's rows of `w [_, inp]`, each row's neighbours paired, as
@@ -194,11 +182,17 @@ pub(super) fn backward_input_as<T: Copy + Default + Send>(
         for p in 0..pairs {
             let o = k0 + 2 * p;
             // Rows lie pages apart, past where the hardware's prefetchers
-            // follow a stream: the rows a few pairs on are asked for now.
+            // follow a stream: every line of the rows a few pairs on is
+            // asked for now, into the next block of `k` too (a task packs
+            // its blocks one after the other).
             for ahead in [o + PREFETCH_ROWS, o + PREFETCH_ROWS + 1] {
-                if ahead < k0 + kc {
+                if ahead < out {
                     let row = bits[ahead * inp + c0..][..cols].as_ptr_range();
-                    prefetch(row.start.cast());
+                    let mut line = row.start.cast::<u8>();
+                    while line < row.end.cast() {
+                        prefetch(line.cast());
+                        line = line.wrapping_add(64);
+                    }
                     prefetch(row.end.wrapping_sub(1).cast());
                 }
             }
@@ -212,10 +206,9 @@ pub(super) fn backward_input_as<T: Copy + Default + Send>(
         }
         panels
     };
-    let dxt = dy.transposed(out, |dy_t| {
-        gemm_new_bf16_packed((inp, n, out), Packed::Lhs(&pack), dy_t)
-    });
-    transpose(&dxt, inp, n, f)
+    dy.transposed(out, |dy_t| {
+        gemm_new_bf16_packed_t((inp, n, out), Packed::Lhs(&pack), dy_t, f)
+    })
 }
 
 #[cfg(test)]

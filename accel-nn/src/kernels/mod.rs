@@ -34,6 +34,7 @@ mod bf16_path;
 mod flash;
 mod forced;
 mod gemm_bf16;
+mod gemm_bf16_t;
 mod linear;
 mod linear_bf16;
 mod loss;

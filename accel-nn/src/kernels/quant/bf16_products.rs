@@ -5,9 +5,10 @@
 //! time, never whole.
 
 use super::super::gemm_bf16::{gemm_new_bf16_packed, Packed, PackedB, MR, NR};
+use super::super::gemm_bf16_t::gemm_new_bf16_packed_t;
 use super::super::raw::quant::Simd;
 use super::super::raw::{bf16_tile_available, par, MatRef};
-use super::{dequant, transpose, QuantRef};
+use super::{dequant, QuantRef};
 
 /// Whether [`forward`] and [`backward_input`] run here.
 pub(super) fn available() -> bool {
@@ -30,8 +31,7 @@ pub(super) fn forward(x: &[f32], n: usize, w: &QuantRef) -> Vec<f32> {
         decoded
     };
     let x_t = Packed::Matrix(MatRef::rows_t(x, 0, inp));
-    let yt = gemm_new_bf16_packed((out, n, inp), Packed::LhsPackedRows(&pack), x_t);
-    transpose(&yt, out, n)
+    gemm_new_bf16_packed_t((out, n, inp), Packed::LhsPackedRows(&pack), x_t, |v| v)
 }
 
 /// `dx [n, inp] = dy [n, out] @ W`, operands rounded to bf16: `W` is the

@@ -665,6 +665,73 @@ pub(crate) mod par {
         imp(src, out, f)
     }
 
+    /// `f(i, band)` for the `i`-th band of `width` columns (the last may
+    /// be narrower) of the row-major `[_, cols]` buffer `data`, in
+    /// parallel: a band hands out its part of each row, so tasks write
+    /// disjoint columns of every row (a product's output written transposed
+    /// from the tasks' tiles, with no transpose pass after it).
+    pub(crate) fn column_bands<T: Send>(
+        data: &mut [T],
+        cols: usize,
+        width: usize,
+        f: impl Fn(usize, &mut Columns<'_, T>) + Sync,
+    ) {
+        if cols == 0 || data.is_empty() {
+            return;
+        }
+        assert!(data.len().is_multiple_of(cols), "column_bands: ragged rows");
+        let (rows, width) = (data.len() / cols, width.max(1));
+        let ptr = SendPtr(data.as_mut_ptr());
+        for_each(cols.div_ceil(width), |i| {
+            let c0 = i * width;
+            let mut band = Columns {
+                ptr,
+                rows,
+                cols,
+                c0,
+                width: width.min(cols - c0),
+                _data: std::marker::PhantomData,
+            };
+            f(i, &mut band)
+        });
+    }
+
+    /// One band of [`column_bands`]: columns `c0..c0 + width` of every row.
+    pub(crate) struct Columns<'a, T> {
+        ptr: SendPtr<T>,
+        rows: usize,
+        cols: usize,
+        c0: usize,
+        width: usize,
+        _data: std::marker::PhantomData<&'a mut [T]>,
+    }
+
+    impl<T> Columns<'_, T> {
+        /// Columns in the band.
+        pub(crate) fn width(&self) -> usize {
+            self.width
+        }
+
+        /// The band's part of row `r`.
+        ///
+        /// # Panics
+        /// When `r` is not a row of the buffer.
+        pub(crate) fn row(&mut self, r: usize) -> &mut [T] {
+            assert!(r < self.rows, "column band: row {r} of {}", self.rows);
+            // SAFETY: `r * cols + c0 + width <= rows * cols = data.len()`
+            // (c0 + width <= cols); bands cover disjoint columns, so parts
+            // of different bands never overlap, and `&mut self` keeps one
+            // part of this band alive at a time; `data` is borrowed
+            // mutably until `column_bands` returns, after every task.
+            unsafe {
+                std::slice::from_raw_parts_mut(
+                    self.ptr.get().add(r * self.cols + self.c0),
+                    self.width,
+                )
+            }
+        }
+    }
+
     /// `f(i)` for every `i < n` in parallel, collected in order.
     pub(crate) fn map<R: Send>(n: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
         let mut out: Vec<Option<R>> = (0..n).map(|_| None).collect();

@@ -28,9 +28,11 @@ pub(super) struct PackedB {
 pub(super) const STEP_U32: usize = KSTEP / 2 * BLOCK;
 
 thread_local! {
-    /// The thread's last packing buffer, reused: a fresh one per call
-    /// faulted in (and zeroed) up to the weight's size every time.
-    static PACK_BUFFER: std::cell::Cell<Vec<u32>> = const { std::cell::Cell::new(Vec::new()) };
+    /// The thread's packing buffers, reused: a fresh one per call faulted
+    /// in (and zeroed) up to the weight's size every time. Several, because
+    /// a product may hold a packed block of each operand, or every block of
+    /// its activations at once.
+    static PACK_BUFFERS: std::cell::RefCell<Vec<Vec<u32>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The largest packing buffer a thread keeps between calls: a layer's
@@ -38,11 +40,21 @@ thread_local! {
 /// freed after its call rather than held for the life of the thread.
 const KEPT_BUFFER_BYTES: usize = 16 << 20;
 
-/// This thread's packing buffer, at least `len` long. Its contents are
-/// stale: the packers write every slot they hand to the kernel. It keeps its
+/// The most bytes of packing buffers a thread keeps in all.
+const KEPT_BYTES: usize = 2 * KEPT_BUFFER_BYTES;
+
+/// A packing buffer of this thread, at least `len` long: the first kept
+/// one long enough, else the last kept one grown. Its contents are stale:
+/// the packers write every slot they hand to the kernel. A buffer keeps its
 /// longest length, so that no call zero-fills more than it grows.
 pub(crate) fn take_pack_buffer(len: usize) -> Vec<u32> {
-    let mut buf = PACK_BUFFER.with(|b| b.take());
+    let mut buf = PACK_BUFFERS.with(|b| {
+        let mut kept = b.borrow_mut();
+        match kept.iter().position(|v| v.len() >= len) {
+            Some(i) => kept.swap_remove(i),
+            None => kept.pop().unwrap_or_default(),
+        }
+    });
     if buf.len() < len {
         buf.resize(len, 0);
     }
@@ -50,11 +62,19 @@ pub(crate) fn take_pack_buffer(len: usize) -> Vec<u32> {
 }
 
 /// Gives a buffer from [`take_pack_buffer`] back to this thread, unless it
-/// is past [`KEPT_BUFFER_BYTES`].
+/// is past [`KEPT_BUFFER_BYTES`] or the thread keeps [`KEPT_BYTES`] already.
 pub(crate) fn keep_pack_buffer(buf: Vec<u32>) {
-    if 4 * buf.capacity() <= KEPT_BUFFER_BYTES {
-        PACK_BUFFER.with(|b| b.set(buf));
+    let bytes = 4 * buf.capacity();
+    if bytes > KEPT_BUFFER_BYTES {
+        return;
     }
+    PACK_BUFFERS.with(|b| {
+        let mut kept = b.borrow_mut();
+        let held: usize = kept.iter().map(|v| 4 * v.capacity()).sum();
+        if held + bytes <= KEPT_BYTES {
+            kept.push(buf);
+        }
+    });
 }
 
 impl PackedB {
