@@ -12,7 +12,9 @@
 //! Based, RWKV v5 and v6, Mamba 2, Marian, DeBERTa v2, SmolLM3, Yi and MPT (`rest2.rs`), in
 //! fp32 and bf16: every parameter gets a gradient at every step, every loss
 //! is finite and falls (`tests/user_crate/src/main.rs` checks and prints
-//! them).
+//! them). The same build's `--infer` run gives, bit for bit, what candle-nn and
+//! candle-transformers as published give in inference, wherever those run
+//! (`tests/fixtures/zoo/`, written by `scripts/zoo_unpatched_outputs.sh`).
 //!
 //! The crate is copied to a temporary folder outside the repository, with
 //! the checkout's paths where a user writes `git = "..."`. It builds into
@@ -198,4 +200,104 @@ fn a_crate_outside_the_workspace_trains_candle_transformers_bert_and_llama() {
         .map(|(m, p, n)| (m.to_string(), p.to_string(), *n))
         .collect();
     assert_eq!(seen, want, "{stdout}");
+    inference_equals_the_published_crates(dir);
+}
+
+/// The user crate's `--infer` run (`tests/user_crate/src/infer.rs`: inference through each
+/// model whose candle-nn or candle-transformers code is patched, with weights fixed by name)
+/// against the same code built on candle-nn and candle-transformers as published
+/// (`scripts/zoo_unpatched_outputs.sh` wrote the fixtures): bit for bit wherever the published
+/// crates run; where they fail (an error, or NaN outputs) the patched ones must give finite ones.
+fn inference_equals_the_published_crates(dir: &Path) {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["run", "--offline", "--quiet", "--", "--infer"])
+        .current_dir(dir)
+        .env("CARGO_TARGET_DIR", target_dir())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the user crate's --infer failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // candle's f32 matmul is the gemm crate's, whose microkernels sum in another order on AVX-512
+    // than on AVX2: the fixture written on this kind of CPU.
+    let Some(isa) = gemm_isa() else {
+        eprintln!("no fixture of the published crates' bits for this CPU (x86-64 with AVX2 or AVX-512 only)");
+        return;
+    };
+    let fixture = repo().join(format!("tests/fixtures/zoo/unpatched_outputs_{isa}.jsonl"));
+    let lines = |text: &str| -> Vec<serde_json::Value> {
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let published = lines(&std::fs::read_to_string(&fixture).unwrap());
+    let patched = lines(&stdout);
+    let key = |v: &serde_json::Value| format!("{} {}", v["model"], v["dtype"]);
+    assert_eq!(
+        published.iter().map(key).collect::<Vec<_>>(),
+        patched.iter().map(key).collect::<Vec<_>>(),
+        "the models of {} and of --infer",
+        fixture.display()
+    );
+    let (mut bitwise, mut fixed) = (0, 0);
+    for (old, new) in published.iter().zip(&patched) {
+        let what = key(old);
+        assert!(
+            new.get("error").is_none(),
+            "{what}: the patched crates fail: {new}"
+        );
+        let finite = new["outputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|o| o["finite"] == true);
+        if old.get("error").is_some()
+            || old["outputs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|o| o["finite"] != true)
+        {
+            // What the patches fix: a bf16 dtype mismatch, a KV cache's in-place write, a batch
+            // the published rotary could not take, NaN scores.
+            assert!(
+                finite,
+                "{what}: published {old}, patched gives non-finite values: {new}"
+            );
+            fixed += 1;
+            continue;
+        }
+        assert_eq!(
+            old["outputs"], new["outputs"],
+            "{what}: not the published crates' bits"
+        );
+        bitwise += 1;
+    }
+    // ISA-independent counts: a fixture regenerated with other models says so here.
+    assert_eq!((bitwise, fixed), (24, 16), "{stdout}");
+}
+
+/// Which fixture's bits this CPU gives: gemm's AVX-512 kernels (pulp's `x86-v4` level), its
+/// AVX2 ones (`x86-v3`), or neither (no fixture).
+fn gemm_isa() -> Option<&'static str> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f")
+            && has!("avx512bw")
+            && has!("avx512cd")
+            && has!("avx512dq")
+            && has!("avx512vl")
+        {
+            return Some("avx512");
+        }
+        if has!("avx2") && has!("fma") {
+            return Some("avx2");
+        }
+    }
+    None
 }

@@ -23,50 +23,17 @@ use candle_transformers::models::{
 };
 use serde_json::json;
 
+mod infer;
 mod more;
 mod rest;
 mod rest2;
+
+pub(crate) use infer::{bert_config, decoder_json, llama_config, with};
 
 /// A model's loss, built once, computed at each step.
 pub(crate) type Forward = Box<dyn Fn(&Accelerator) -> Result<Tensor>>;
 
 const STEPS: usize = 5;
-
-fn bert_config() -> Result<bert::Config> {
-    Ok(serde_json::from_value(json!({
-        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "intermediate_size": 64, "hidden_act": "gelu", "hidden_dropout_prob": 0.0,
-        "max_position_embeddings": 32, "type_vocab_size": 2, "initializer_range": 0.02,
-        "layer_norm_eps": 1e-12, "pad_token_id": 0
-    }))?)
-}
-
-fn llama_config() -> Result<llama::Config> {
-    let c: llama::LlamaConfig = serde_json::from_value(json!({
-        "hidden_size": 32, "intermediate_size": 64, "vocab_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 64, "tie_word_embeddings": false
-    }))?;
-    Ok(c.into_config(false))
-}
-
-/// The attention and MLP shapes the newer decoders share.
-pub(crate) fn decoder_json() -> serde_json::Value {
-    json!({
-        "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "hidden_act": "silu", "attention_bias": false, "tie_word_embeddings": false,
-        "sliding_window": null, "max_window_layers": 2, "use_sliding_window": false
-    })
-}
-
-pub(crate) fn with(mut base: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
-    for (k, v) in extra.as_object().unwrap() {
-        base[k] = v.clone();
-    }
-    base
-}
 
 /// Loss on the last position's logits (`[b, 1, vocab]`) against `next`.
 pub(crate) fn last_loss(logits: Tensor, next: &Tensor) -> Result<Tensor> {
@@ -89,11 +56,11 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
         }
         "mixformer" | "stella_en_v5" | "nvembed_v2" | "nomic_bert" | "jina_bert" | "chatglm"
         | "codegeex4_9b" | "glm4_new" | "lfm2" | "bigcode" | "llama2_c" | "recurrent_gemma"
-        | "granitemoehybrid" => {
-            rest::forward(which, vb, &varmap, &dev)?.expect("built in rest.rs")
-        }
+        | "granitemoehybrid" => rest::forward(which, vb, &varmap, &dev)?.expect("built in rest.rs"),
         "gemma4" | "based" | "rwkv_v5" | "rwkv_v6" | "rwkv_v7" | "mamba2" | "marian"
-        | "debertav2" | "smollm3" | "yi" | "mpt" => rest2::forward(which, vb, &varmap, &dev)?.expect("built in rest2.rs"),
+        | "debertav2" | "smollm3" | "yi" | "mpt" => {
+            rest2::forward(which, vb, &varmap, &dev)?.expect("built in rest2.rs")
+        }
         "bert" => {
             let model = bert::BertModel::load(vb.pp("bert"), &bert_config()?)?;
             let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
@@ -456,6 +423,9 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
 
 fn main() -> Result<()> {
     let only: Vec<String> = std::env::args().skip(1).collect();
+    if only.first().map(String::as_str) == Some("--infer") {
+        return infer::run(&only[1..]);
+    }
     for which in [
         "bert",
         "llama",

@@ -8,8 +8,8 @@ use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Module, Tensor, D};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::{
-    bigcode, chatglm, codegeex4_9b, glm4_new, granitemoehybrid, jina_bert, lfm2, llama2_c,
-    mistral, mixformer, nomic_bert, nvembed_v2, recurrent_gemma, stella_en_v5,
+    bigcode, chatglm, codegeex4_9b, glm4_new, granitemoehybrid, jina_bert, lfm2, llama2_c, mistral,
+    mixformer, nomic_bert, nvembed_v2, recurrent_gemma, stella_en_v5,
 };
 use serde_json::json;
 use std::cell::RefCell;

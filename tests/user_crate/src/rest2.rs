@@ -145,7 +145,10 @@ pub fn forward(
             let probe = VarMap::new();
             let pvb = VarBuilder::from_varmap(&probe, DType::F32, &Device::Cpu);
             for (layer, name, width) in [(0, "w1", 8), (0, "a1", 4), (1, "v1", 4), (0, "g1", 8)] {
-                pvb.pp("blocks").pp(layer).pp("att").get((32, width), name)?;
+                pvb.pp("blocks")
+                    .pp(layer)
+                    .pp("att")
+                    .get((32, width), name)?;
             }
             rwkv_v7::Model::new(&cfg, pvb)?;
             let drawn = candle_nn::Init::Randn {
