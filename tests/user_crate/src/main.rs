@@ -28,7 +28,10 @@ mod more;
 mod rest;
 mod rest2;
 
-pub(crate) use infer::{bert_config, decoder_json, llama_config, with};
+pub(crate) use infer::{
+    bert_config, bigcode_config, chatglm_config, decoder_json, llama2_c_config, llama_config,
+    model_config, with,
+};
 
 /// A model's loss, built once, computed at each step.
 pub(crate) type Forward = Box<dyn Fn(&Accelerator) -> Result<Tensor>>;
@@ -79,14 +82,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
         }
         "t5" => {
             // An encoder-decoder, fresh: its layer norms must start at ones.
-            let cfg: t5::Config = serde_json::from_value(json!({
-                "vocab_size": 64, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2,
-                "num_decoder_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8,
-                "dropout_rate": 0.0, "layer_norm_epsilon": 1e-6, "initializer_factor": 1.0,
-                "feed_forward_proj": "relu", "tie_word_embeddings": false,
-                "is_encoder_decoder": true, "pad_token_id": 0, "eos_token_id": 1,
-                "decoder_start_token_id": 0
-            }))?;
+            let cfg: t5::Config = serde_json::from_value(model_config("t5"))?;
             let m = RefCell::new(t5::T5ForConditionalGeneration::load(vb, &cfg)?);
             let decoder_ids = Tensor::new(&[[0u32, 5, 9], [0, 7, 11]], &dev)?;
             let next = Tensor::new(&[3u32, 8], &dev)?;
@@ -103,11 +99,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
             let labels = Tensor::new(&[1u32, 0], &dev)?;
             let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
             let encode: Box<dyn Fn() -> candle_core::Result<Tensor>> = if which == "distilbert" {
-                let cfg: distilbert::Config = serde_json::from_value(json!({
-                    "vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "hidden_dim": 64,
-                    "activation": "gelu", "max_position_embeddings": 32,
-                    "initializer_range": 0.02, "pad_token_id": 0
-                }))?;
+                let cfg: distilbert::Config = serde_json::from_value(model_config("distilbert"))?;
                 let model = distilbert::DistilBertModel::load(vb.pp("distilbert"), &cfg)?;
                 // DistilBERT's mask marks the keys to hide.
                 let hide = (1.0 - mask.to_dtype(DType::F32)?)?
@@ -116,13 +108,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                 let ids = ids.clone();
                 Box::new(move || model.forward(&ids, &hide))
             } else {
-                let cfg: modernbert::Config = serde_json::from_value(json!({
-                    "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
-                    "num_attention_heads": 4, "intermediate_size": 64,
-                    "max_position_embeddings": 32, "layer_norm_eps": 1e-5, "pad_token_id": 0,
-                    "global_attn_every_n_layers": 2, "global_rope_theta": 160000.0,
-                    "local_attention": 4, "local_rope_theta": 10000.0
-                }))?;
+                let cfg: modernbert::Config = serde_json::from_value(model_config("modernbert"))?;
                 let model = modernbert::ModernBert::load(vb.pp("model"), &cfg)?;
                 let (ids, mask) = (ids.clone(), mask.clone());
                 Box::new(move || model.forward(&ids, &mask))
@@ -216,13 +202,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                 }
                 "qwen2_moe" => {
                     // Routed experts beside a gated shared expert.
-                    let cfg: qwen2_moe::Config = serde_json::from_value(with(
-                        decoder_json(),
-                        json!({"sliding_window": 64, "decoder_sparse_step": 1,
-                               "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-                               "num_experts_per_tok": 2, "num_experts": 4,
-                               "norm_topk_prob": false}),
-                    ))?;
+                    let cfg: qwen2_moe::Config = serde_json::from_value(model_config("qwen2_moe"))?;
                     let m = RefCell::new(qwen2_moe::Model::new(&cfg, vb)?);
                     Box::new(move |_: &Accelerator| {
                         let mut m = m.borrow_mut();
@@ -278,11 +258,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                 }
                 "phi" => {
                     // Phi-1/2: parallel attention and MLP, partial rotary, LayerNorm.
-                    let cfg: phi::Config = serde_json::from_value(with(
-                        decoder_json(),
-                        json!({"hidden_act": "gelu_new", "layer_norm_eps": 1e-5,
-                               "partial_rotary_factor": 0.5, "qk_layernorm": false}),
-                    ))?;
+                    let cfg: phi::Config = serde_json::from_value(model_config("phi"))?;
                     let m = RefCell::new(phi::Model::new(&cfg, vb)?);
                     Box::new(move |_: &Accelerator| {
                         let mut m = m.borrow_mut();
@@ -325,11 +301,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                     })
                 }
                 "qwen3_moe" => {
-                    let cfg: qwen3_moe::Config = serde_json::from_value(with(
-                        decoder_json(),
-                        json!({"decoder_sparse_step": 1, "moe_intermediate_size": 32,
-                               "num_experts_per_tok": 2, "num_experts": 4, "norm_topk_prob": true}),
-                    ))?;
+                    let cfg: qwen3_moe::Config = serde_json::from_value(model_config("qwen3_moe"))?;
                     let m = RefCell::new(qwen3_moe::ModelForCausalLM::new(&cfg, vb)?);
                     Box::new(move |_: &Accelerator| {
                         let mut m = m.borrow_mut();
@@ -339,13 +311,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                 }
                 "gemma3" => {
                     // A window of 8 below the 16 tokens: the sliding layers' rotating cache.
-                    let cfg: gemma3::Config = serde_json::from_value(with(
-                        decoder_json(),
-                        json!({"hidden_activation": "gelu_pytorch_tanh", "rope_local_base_freq": 10000.0,
-                               "final_logit_softcapping": 30.0, "attn_logit_softcapping": null,
-                               "query_pre_attn_scalar": 8, "sliding_window": 8,
-                               "sliding_window_pattern": 2}),
-                    ))?;
+                    let cfg: gemma3::Config = serde_json::from_value(model_config("gemma3"))?;
                     let m = RefCell::new(gemma3::Model::new(false, &cfg, vb)?);
                     Box::new(move |_: &Accelerator| {
                         let mut m = m.borrow_mut();
@@ -354,11 +320,7 @@ fn train(which: &str, precision: PrecisionType) -> Result<()> {
                     })
                 }
                 _ => {
-                    let cfg: mixtral::Config = serde_json::from_value(with(
-                        decoder_json(),
-                        json!({"sliding_window": 64, "num_experts_per_tok": 2,
-                               "num_local_experts": 4, "use_flash_attn": false}),
-                    ))?;
+                    let cfg: mixtral::Config = serde_json::from_value(model_config("mixtral"))?;
                     // Built again each step (its cache has no reset); the
                     // VarBuilder hands out the same variables.
                     let first = mixtral::Model::new(&cfg, vb.clone())?;

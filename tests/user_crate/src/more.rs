@@ -10,7 +10,7 @@ use candle_transformers::models::{deepseek2, gemma, glm4, granite, mamba, xlm_ro
 use serde_json::json;
 use std::cell::RefCell;
 
-use super::{decoder_json, last_loss, with, Forward};
+use super::{decoder_json, last_loss, model_config, with, Forward};
 
 /// The training closure of `which`, or `None` for a model this file does not build.
 pub fn forward(
@@ -100,9 +100,7 @@ pub fn forward(
         "mamba" => {
             // The selective scan one token at a time, as candle runs it: 8 steps unrolled, the
             // loss on the last, so every step's parameters are reached through the state.
-            let cfg: mamba::Config = serde_json::from_value(
-                json!({"d_model": 32, "n_layer": 2, "vocab_size": 64, "pad_vocab_size_multiple": 8}),
-            )?;
+            let cfg: mamba::Config = serde_json::from_value(model_config("mamba"))?;
             let dtype = vb.dtype();
             let m = mamba::Model::new(&cfg, vb)?;
             let dev = dev.clone();

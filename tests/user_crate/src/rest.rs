@@ -14,7 +14,10 @@ use candle_transformers::models::{
 use serde_json::json;
 use std::cell::RefCell;
 
-use super::{decoder_json, last_loss, with, Forward};
+use super::{
+    bigcode_config, chatglm_config, decoder_json, last_loss, llama2_c_config, model_config, with,
+    Forward,
+};
 
 /// Mean-pooled hidden states (`[b, s, 32]`) through `head`, cross-entropy against `labels`.
 fn pooled_loss(
@@ -81,13 +84,7 @@ pub fn forward(
         "stella_en_v5" => {
             // The 1.5B layout (Qwen2 without causal mask) and its embedding head; the
             // embedding's 16 dimensions scored as classes.
-            let cfg: stella_en_v5::Config = serde_json::from_value(json!({
-                "variant": "Large", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
-                "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64,
-                "rope_theta": 10000.0, "embed_head": {"in_features": 32, "out_features": 16},
-                "norm_eps": 1e-6, "activation_fn": "silu", "num_key_value_heads": 2,
-                "type_vocab_size": 0, "scaling_factor": 0.0
-            }))?;
+            let cfg: stella_en_v5::Config = serde_json::from_value(model_config("stella_en_v5"))?;
             let m = RefCell::new(stella_en_v5::EmbeddingModel::new(
                 &cfg,
                 vb.clone(),
@@ -141,39 +138,14 @@ pub fn forward(
         }
         "jina_bert" => {
             // ALiBi instead of position embeddings, a gated (GLU) MLP.
-            let cfg: jina_bert::Config = serde_json::from_value(json!({
-                "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "intermediate_size": 64, "hidden_act": "gelu",
-                "max_position_embeddings": 32, "type_vocab_size": 2, "initializer_range": 0.02,
-                "layer_norm_eps": 1e-12, "pad_token_id": 0, "position_embedding_type": "alibi"
-            }))?;
+            let cfg: jina_bert::Config = serde_json::from_value(model_config("jina_bert"))?;
             let m = jina_bert::BertModel::new(vb.pp("model"), &cfg)?;
             let head = candle_nn::linear(32, 2, vb.pp("classifier"))?;
             Box::new(move |_: &Accelerator| pooled_loss(&m.forward(&long)?, &mask, &head, &labels))
         }
         "chatglm" => {
             // ChatGLM3: the GLM-4 layout; its `Config` is built field by field (no serde).
-            let cfg = chatglm::Config {
-                num_layers: 2,
-                padded_vocab_size: 64,
-                hidden_size: 32,
-                ffn_hidden_size: 64,
-                kv_channels: 8,
-                num_attention_heads: 4,
-                seq_length: 64,
-                layernorm_epsilon: 1e-5,
-                rmsnorm: true,
-                apply_residual_connection_post_layernorm: false,
-                post_layer_norm: true,
-                add_bias_linear: false,
-                add_qkv_bias: true,
-                bias_dropout_fusion: true,
-                multi_query_attention: true,
-                multi_query_group_num: 2,
-                apply_query_key_layer_scaling: true,
-                attention_softmax_in_fp32: true,
-                fp32_residual_connection: false,
-            };
+            let cfg = chatglm_config();
             let m = RefCell::new(chatglm::Model::new(&cfg, vb)?);
             Box::new(move |_: &Accelerator| {
                 let mut m = m.borrow_mut();
@@ -191,11 +163,7 @@ pub fn forward(
             })
         }
         "glm4_new" => {
-            let cfg: glm4_new::Config = serde_json::from_value(with(
-                decoder_json(),
-                json!({"partial_rotary_factor": 0.5, "attention_bias": true,
-                       "eos_token_id": null}),
-            ))?;
+            let cfg: glm4_new::Config = serde_json::from_value(model_config("glm4_new"))?;
             let m = RefCell::new(glm4_new::ModelForCausalLM::new(&cfg, vb)?);
             Box::new(move |_: &Accelerator| {
                 let mut m = m.borrow_mut();
@@ -224,31 +192,12 @@ pub fn forward(
         }
         "bigcode" => {
             // GPT-BigCode (StarCoder 1): multi-query attention, learned positions, tied head.
-            let cfg = bigcode::Config {
-                vocab_size: 64,
-                max_position_embeddings: 64,
-                num_hidden_layers: 2,
-                hidden_size: 32,
-                layer_norm_epsilon: 1e-5,
-                n_inner: Some(64),
-                num_attention_heads: 4,
-                multi_query: true,
-                use_cache: false,
-            };
+            let cfg = bigcode_config(false);
             let m = RefCell::new(bigcode::GPTBigCode::load(vb, cfg)?);
             Box::new(move |_: &Accelerator| loss(m.borrow_mut().forward(&long, 0)?, &next))
         }
         "llama2_c" => {
-            let cfg = llama2_c::Config {
-                dim: 32,
-                hidden_dim: 64,
-                n_layers: 2,
-                n_heads: 4,
-                n_kv_heads: 2,
-                vocab_size: 64,
-                seq_len: 32,
-                norm_eps: 1e-5,
-            };
+            let cfg = llama2_c_config();
             // The cache asks its VarBuilder for a checkpoint's rotary tables and computes them
             // when there are none: an empty one, so that they do not become parameters.
             let tables = VarBuilder::from_tensors(Default::default(), DType::F32, dev);

@@ -15,7 +15,7 @@ use candle_transformers::models::{
 use serde_json::json;
 use std::cell::RefCell;
 
-use super::{decoder_json, last_loss, with, Forward};
+use super::{decoder_json, last_loss, model_config, with, Forward};
 
 /// Cross-entropy of `[b, vocab]` logits against `next`.
 fn loss(logits: Tensor, next: &Tensor) -> Result<Tensor> {
@@ -207,20 +207,7 @@ pub fn forward(
         "debertav2" => {
             // Disentangled (c2p and p2c) relative attention, the context pooler and a
             // 2-label classifier.
-            let cfg: debertav2::Config = serde_json::from_value(json!({
-                "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
-                "num_attention_heads": 4, "intermediate_size": 64, "hidden_act": "gelu",
-                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                "max_position_embeddings": 32, "type_vocab_size": 0, "initializer_range": 0.02,
-                "layer_norm_eps": 1e-7, "relative_attention": true, "max_relative_positions": -1,
-                "pad_token_id": 0, "position_biased_input": false,
-                "pos_att_type": ["p2c", "c2p"], "position_buckets": 16, "share_att_key": true,
-                "attention_head_size": null, "embedding_size": null,
-                "norm_rel_ebd": "layer_norm", "conv_kernel_size": null, "conv_groups": null,
-                "conv_act": null, "id2label": {"0": "no", "1": "yes"}, "label2id": null,
-                "pooler_dropout": 0.0, "pooler_hidden_act": "gelu", "pooler_hidden_size": 32,
-                "cls_dropout": 0.0
-            }))?;
+            let cfg: debertav2::Config = serde_json::from_value(model_config("debertav2"))?;
             let m = debertav2::DebertaV2SeqClassificationModel::load(vb.pp("deberta"), &cfg, None)?;
             let labels = Tensor::new(&[1u32, 0], dev)?;
             Box::new(move |_: &Accelerator| {
