@@ -4,7 +4,8 @@
 //! candle-transformers as published and write `tests/fixtures/zoo/unpatched_outputs.jsonl`; the
 //! user crate runs it (`--infer`) on the patched crates, and `tests/tests/user_crate.rs` compares.
 //!
-//! Decoders with a KV cache run a prompt, then one more token through the cache. Models whose
+//! Decoders with a KV cache (and Marian's decoder) run a prompt, then one more token through the
+//! cache. Models whose
 //! patch added an API (NV-Embed-v2's `new_with_config`, Yi's and MPT's deserializable configs) or
 //! that read weights without a shape (RWKV v7) are not here: the published crates cannot build
 //! them this way.
@@ -15,12 +16,12 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
 use candle_transformers::models::{
     bert, bigcode, chatglm, debertav2, distilbert, gemma3, glm4_new, jina_bert, llama, llama2_c,
-    mamba, mixtral, modernbert, phi, qwen2_moe, qwen3, qwen3_moe, stella_en_v5, t5,
+    mamba, marian, mixtral, modernbert, phi, qwen2_moe, qwen3, qwen3_moe, stella_en_v5, t5,
 };
 use serde_json::json;
 
 /// The models this file runs, in order.
-pub const MODELS: [&str; 20] = [
+pub const MODELS: [&str; 21] = [
     "bert",
     "distilbert",
     "modernbert",
@@ -41,6 +42,7 @@ pub const MODELS: [&str; 20] = [
     "llama2_c",
     "mamba",
     "t5",
+    "marian",
 ];
 
 /// The attention and MLP shapes the newer decoders share.
@@ -152,6 +154,15 @@ pub fn model_config(which: &str) -> serde_json::Value {
             "feed_forward_proj": "relu", "tie_word_embeddings": false,
             "is_encoder_decoder": true, "pad_token_id": 0, "eos_token_id": 1,
             "decoder_start_token_id": 0
+        }),
+        "marian" => json!({
+            "vocab_size": 64, "decoder_vocab_size": 64, "max_position_embeddings": 64,
+            "encoder_layers": 2, "encoder_ffn_dim": 64, "encoder_attention_heads": 4,
+            "decoder_layers": 2, "decoder_ffn_dim": 64, "decoder_attention_heads": 4,
+            "use_cache": true, "is_encoder_decoder": true, "activation_function": "swish",
+            "d_model": 32, "decoder_start_token_id": 63, "scale_embedding": true,
+            "pad_token_id": 63, "eos_token_id": 0, "forced_eos_token_id": 0,
+            "share_encoder_decoder_embeddings": true
         }),
         other => panic!("{other}: no config in infer.rs"),
     }
@@ -433,6 +444,14 @@ fn outputs(which: &str, vb: VarBuilder<'static>, dev: &Device) -> Result<Vec<Ten
             let mut m = t5::T5ForConditionalGeneration::load(vb, &cfg)?;
             let decoder_ids = Tensor::new(&[[0u32, 5, 9], [0, 7, 11]], dev)?;
             vec![m.forward(&ids, &decoder_ids)?]
+        }
+        "marian" => {
+            let cfg: marian::Config = serde_json::from_value(model_config("marian"))?;
+            let mut m = marian::MTModel::new(&cfg, vb)?;
+            let encoded = m.encoder().forward(&long, 0)?;
+            let start = Tensor::new(&[[63u32, 5, 9], [63, 7, 11]], dev)?;
+            let logits = m.decode(&start, &encoded, 0)?;
+            vec![encoded.clone(), logits, m.decode(&one, &encoded, 3)?]
         }
         other => anyhow::bail!("{other}: not a model of infer.rs"),
     })

@@ -183,15 +183,7 @@ pub fn forward(
         }
         "marian" => {
             // Translation: the encoder over 16 tokens, the decoder's 3 positions each scored.
-            let cfg: marian::Config = serde_json::from_value(json!({
-                "vocab_size": 64, "decoder_vocab_size": 64, "max_position_embeddings": 64,
-                "encoder_layers": 2, "encoder_ffn_dim": 64, "encoder_attention_heads": 4,
-                "decoder_layers": 2, "decoder_ffn_dim": 64, "decoder_attention_heads": 4,
-                "use_cache": true, "is_encoder_decoder": true, "activation_function": "swish",
-                "d_model": 32, "decoder_start_token_id": 63, "scale_embedding": true,
-                "pad_token_id": 63, "eos_token_id": 0, "forced_eos_token_id": 0,
-                "share_encoder_decoder_embeddings": true
-            }))?;
+            let cfg: marian::Config = serde_json::from_value(model_config("marian"))?;
             let m = RefCell::new(marian::MTModel::new(&cfg, vb)?);
             let decoder_ids = Tensor::new(&[[63u32, 5, 9], [63, 7, 11]], dev)?;
             let targets = Tensor::new(&[5u32, 9, 3, 7, 11, 8], dev)?;
