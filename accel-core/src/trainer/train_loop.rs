@@ -20,7 +20,8 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
     /// Every `logging_steps` it logs `loss` (the mean micro-batch loss since
     /// the last log, over processes), `learning_rate` and `epoch`; it
     /// evaluates and saves as `eval_strategy` / `save_strategy` say. Steps in
-    /// logs and checkpoints count optimizer steps, from 1.
+    /// logs and checkpoints count optimizer steps, from 1. At the end it logs
+    /// the run's metrics and ends the trackers (`end_training`).
     ///
     /// On SIGTERM, SIGINT or SIGHUP (`accel launch` passes its own on) it
     /// saves a checkpoint after the step it is at, on every rank, and
@@ -213,9 +214,13 @@ impl<M: TrainModel, D: Dataset<Batch = M::Batch>> Trainer<M, D> {
                 global_step as f64 / self.steps_per_epoch as f64,
             ),
         ]);
-        // The trackers stay open (each log is flushed already) so that an
-        // `evaluate` after training still logs.
         self.acc.log(metrics.clone(), Some(global_step))?;
+        // transformers' `on_train_end`: the trackers end with the training
+        // (MLflow's run FINISHED, TensorBoard's file closed). An `evaluate`
+        // afterwards starts them again, as transformers' callbacks do: a new
+        // MLflow run, a new TensorBoard file, more lines of the same JSONL.
+        self.acc.end_training()?;
+        self.trackers_started = false;
         Ok(TrainOutput {
             global_step,
             training_loss,
