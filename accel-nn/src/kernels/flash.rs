@@ -22,7 +22,7 @@ use candle_core::Result;
 
 use super::attention_kernel::{Bias, Dims, Kernel, MaskSpec, View};
 use super::math;
-use super::raw::{gemm, par, MatRef};
+use super::raw::{gemm, huge_vec, huge_zeroed, par, MatRef};
 
 /// Queries per tile (64, 128 and 256 measured with keys of 64 to 256 at
 /// t = 1024-4096: 128 x 128 was never more than noise from the best).
@@ -203,7 +203,7 @@ impl Flash {
             self.forward_tile(qkv, self.head(qkv, dims, bh), i * BR, dims, bias)
         });
         // Tiles are in (head, tile) order: concatenated they are [b, h, t, ..].
-        let mut y = Vec::with_capacity(b * h * t * d);
+        let mut y = huge_vec(b * h * t * d);
         let mut lse = Vec::with_capacity(b * h * t);
         for (ty, tl) in parts {
             y.extend_from_slice(&ty);
@@ -261,9 +261,9 @@ impl Flash {
         let Some(lse) = guard.as_ref() else {
             candle_core::bail!("attention backward without its forward state")
         };
-        let mut dq = vec![0f32; b * h * t * d];
-        let mut dk = vec![0f32; b * kvh * s * d];
-        let mut dv = vec![0f32; b * kvh * s * d];
+        let mut dq = huge_zeroed(b * h * t * d);
+        let mut dk = huge_zeroed(b * kvh * s * d);
+        let mut dv = huge_zeroed(b * kvh * s * d);
         if t == 0 || s == 0 || d == 0 {
             return Ok((dq, dk, dv));
         }
@@ -431,15 +431,16 @@ impl Flash {
             dq
         });
         // Parts are in (group, tile) order: concatenated, they are the layouts.
-        let (mut dk, mut dv) = (
-            Vec::with_capacity(b * kvh * s * d),
-            Vec::with_capacity(b * kvh * s * d),
-        );
+        let (mut dk, mut dv) = (huge_vec(b * kvh * s * d), huge_vec(b * kvh * s * d));
         for (pk, pv) in kv_parts {
             dk.extend_from_slice(&pk);
             dv.extend_from_slice(&pv);
         }
-        (dq_parts.concat(), dk, dv)
+        let mut dq = huge_vec(b * h * t * d);
+        for part in dq_parts {
+            dq.extend_from_slice(&part);
+        }
+        (dq, dk, dv)
     }
 }
 
