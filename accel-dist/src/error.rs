@@ -117,6 +117,19 @@ pub enum Error {
         reason: String,
     },
 
+    /// An etcd call failed: nothing answered within the timeout, or etcd refused.
+    #[error("etcd {op} at {endpoint} (key {key:?}): {reason}")]
+    Etcd {
+        /// The endpoint's URL.
+        endpoint: String,
+        /// The operation (`put`, `get`, `create`, `keep_alive`, ...).
+        op: &'static str,
+        /// The key involved (empty when none).
+        key: String,
+        /// What went wrong.
+        reason: String,
+    },
+
     /// Some ranks did not reach a store barrier in time.
     #[error(
         "barrier {name:?}: ranks {missing:?} did not arrive within {waited:?} (world {world})"

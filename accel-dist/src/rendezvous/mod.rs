@@ -47,10 +47,12 @@
 
 pub(crate) mod auth;
 mod client;
+mod etcd;
 pub(crate) mod protocol;
 mod store;
 
 pub use auth::new_token;
 pub use client::TcpStore;
+pub use etcd::{Entry as EtcdEntry, Etcd};
 pub(crate) use store::OWNED_PREFIX;
 pub use store::{StoreLimits, StoreServer};
