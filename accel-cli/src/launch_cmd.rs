@@ -149,6 +149,13 @@ impl LaunchArgs {
             c.extra_env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids));
         }
         if let Some(f) = file {
+            if let Some(backend) = f.rdzv_backend.as_deref().filter(|b| *b != "static") {
+                // Accelerate passes it to torchrun's elastic agent; the launchers
+                // here meet through machine 0's store whatever it says.
+                eprintln!(
+                    "accel launch: rdzv_backend: {backend} has no effect in accel-rs: the launchers meet through machine 0's store (static); a rendezvous through etcd is not built into `accel launch` yet"
+                );
+            }
             if f.debug {
                 c.extra_env
                     .push(("ACCELERATE_DEBUG_MODE".to_string(), "true".to_string()));

@@ -281,6 +281,30 @@ fn launch_takes_defaults_from_the_config_file_and_flags_win() {
 }
 
 #[test]
+fn a_rendezvous_backend_other_than_static_is_said_to_have_no_effect() {
+    let home = tempfile::tempdir().unwrap();
+    let path = home.path().join("accelerate/default_config.yaml");
+    for (backend, said) in [("static", false), ("c10d", true), ("etcd", true)] {
+        let c = ClusterConfig {
+            distributed_type: "MULTI_CPU".into(),
+            num_processes: Some(1),
+            use_cpu: true,
+            rdzv_backend: Some(backend.into()),
+            ..ClusterConfig::default()
+        };
+        c.save(&path).unwrap();
+        let out = accel(home.path())
+            .args(["launch", "true"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{backend}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let note = format!("rdzv_backend: {backend} has no effect");
+        assert_eq!(err.contains(&note), said, "{backend}: {err}");
+    }
+}
+
+#[test]
 fn a_missing_config_file_is_named_by_launch() {
     let home = tempfile::tempdir().unwrap();
     let out = accel(home.path())

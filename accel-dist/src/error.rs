@@ -130,6 +130,28 @@ pub enum Error {
         reason: String,
     },
 
+    /// No rendezvous round took this node in time.
+    #[error("rendezvous of job {job:?}: node {node:?} was in no round within {waited:?} (last seen: {state})")]
+    RoundTimeout {
+        /// The job's id.
+        job: String,
+        /// This node.
+        node: String,
+        /// How long it tried.
+        waited: Duration,
+        /// The last round state read.
+        state: String,
+    },
+
+    /// A rendezvous was asked for with settings that cannot work.
+    #[error("rendezvous of job {job:?}: {reason}")]
+    RoundSettings {
+        /// The job's id.
+        job: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// Some ranks did not reach a store barrier in time.
     #[error(
         "barrier {name:?}: ranks {missing:?} did not arrive within {waited:?} (world {world})"

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use accel_core::dist::rendezvous::Etcd;
+use accel_core::dist::rendezvous::{join_round, Etcd, Round, RoundSpec};
 
 /// A free loopback port (bound, noted, released).
 fn free_port() -> u16 {
@@ -144,6 +144,112 @@ fn keys_transactions_and_leases_behave_as_etcd_documents_them() {
     );
     assert!(
         err.contains(&server.endpoint) && err.contains("job/round"),
+        "{err}"
+    );
+}
+
+fn spec(
+    node: &str,
+    (min, max): (usize, usize),
+    last_call: Duration,
+    timeout: Duration,
+) -> RoundSpec {
+    RoundSpec {
+        job: "job-7".into(),
+        node: node.into(),
+        min_nodes: min,
+        max_nodes: max,
+        last_call,
+        timeout,
+        lease_ttl: Duration::from_secs(2),
+    }
+}
+
+/// Each node a thread with its own client, as each machine's launcher is.
+fn join_all(
+    endpoint: &str,
+    nodes: &[(&str, Option<u64>)],
+    spec_of: impl Fn(&str) -> RoundSpec,
+) -> Vec<Round> {
+    let handles: Vec<_> = nodes
+        .iter()
+        .map(|&(node, after)| {
+            let (endpoint, spec) = (endpoint.to_string(), spec_of(node));
+            std::thread::spawn(move || {
+                let etcd = Etcd::connect(&endpoint, Duration::from_secs(5)).unwrap();
+                join_round(&etcd, &spec, after).unwrap()
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// The rounds all nodes got are one round: same number and members, each
+/// node at its own rank.
+fn one_round(rounds: &[Round], nodes: &[&str]) -> u64 {
+    let first = &rounds[0];
+    let mut members = first.members.clone();
+    members.sort();
+    assert_eq!(members, nodes, "{rounds:?}");
+    for (r, node) in rounds.iter().zip(nodes) {
+        assert_eq!(
+            (r.number, &r.members),
+            (first.number, &first.members),
+            "{rounds:?}"
+        );
+        assert_eq!(r.members[r.rank], *node, "{rounds:?}");
+    }
+    first.number
+}
+
+#[test]
+fn launchers_agree_on_rounds_restarts_and_lost_nodes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(server) = Server::start(tmp.path()) else {
+        return;
+    };
+    let ep = server.endpoint.as_str();
+    let (second, minute) = (Duration::from_secs(1), Duration::from_secs(60));
+
+    // Three launchers, 3 nodes wanted: round 0, without waiting for a last call.
+    let started = Instant::now();
+    let abc = ["a", "b", "c"];
+    let rounds = join_all(ep, &abc.map(|n| (n, None)), |n| {
+        spec(n, (3, 3), minute, minute)
+    });
+    assert_eq!(one_round(&rounds, &abc), 0);
+    assert!(started.elapsed() < 20 * second, "{:?}", started.elapsed());
+
+    // Node c's machine dies: its lease lapses (revoked here, at once). The others
+    // name it, and restart with 2 to 3 nodes: round 1 closes after the last call.
+    let etcd = Etcd::connect(ep, 5 * second).unwrap();
+    rounds[2].clone().leave(&etcd).unwrap();
+    assert_eq!(rounds[0].lost(&etcd).unwrap(), ["c"]);
+    assert!(rounds[1].lost(&etcd).unwrap() == ["c"]);
+    let started = Instant::now();
+    let ab = join_all(ep, &[("a", Some(0)), ("b", Some(0))], |n| {
+        spec(n, (2, 3), second, minute)
+    });
+    assert_eq!(one_round(&ab, &["a", "b"]), 1);
+    assert!(started.elapsed() >= second, "closed before its last call");
+    assert!(ab[0].lost(&etcd).unwrap().is_empty());
+
+    // c comes back while round 1 runs: it waits, and joins the next restart.
+    let again = join_all(ep, &[("a", Some(1)), ("b", Some(1)), ("c", None)], |n| {
+        spec(n, (2, 3), 3 * second, minute)
+    });
+    assert_eq!(one_round(&again, &abc), 2);
+
+    // Settings that cannot work, and a round that never fills, are named.
+    let bad = join_round(&etcd, &spec("d", (3, 2), second, second), None).unwrap_err();
+    assert!(bad.to_string().contains("3:2 nodes"), "{bad}");
+    let alone = RoundSpec {
+        job: "job-8".into(),
+        ..spec("d", (2, 2), second, 2 * second)
+    };
+    let err = join_round(&etcd, &alone, None).unwrap_err().to_string();
+    assert!(
+        err.contains("job-8") && err.contains("\"d\"") && err.contains("at least 2"),
         "{err}"
     );
 }

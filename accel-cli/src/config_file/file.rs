@@ -118,7 +118,8 @@ pub struct ClusterConfig {
     /// Port of the rendezvous on machine 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub main_process_port: Option<u16>,
-    /// torchrun's rendezvous backend (`static`, `c10d`); kept, not used.
+    /// torchrun's rendezvous backend (`static`, `c10d`); kept. `accel launch`
+    /// says at start-up that any but `static` has no effect.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rdzv_backend: Option<String>,
     /// All machines on one network; kept, not used.

@@ -49,10 +49,12 @@ pub(crate) mod auth;
 mod client;
 mod etcd;
 pub(crate) mod protocol;
+mod rounds;
 mod store;
 
 pub use auth::new_token;
 pub use client::TcpStore;
 pub use etcd::{Entry as EtcdEntry, Etcd};
+pub use rounds::{join as join_round, Round, RoundSpec};
 pub(crate) use store::OWNED_PREFIX;
 pub use store::{StoreLimits, StoreServer};
