@@ -103,11 +103,7 @@ impl Etcd {
     /// # Errors
     /// [`Error::Etcd`].
     pub fn get_prefix(&self, prefix: &str) -> Result<Vec<Entry>> {
-        let body = json!({
-            "key": B64.encode(prefix),
-            "range_end": B64.encode(prefix_end(prefix)),
-        });
-        let reply = self.call("get_prefix", prefix, "kv/range", body)?;
+        let reply = self.call("get_prefix", prefix, "kv/range", prefix_range(prefix))?;
         self.entries("get_prefix", prefix, &reply)
     }
 
@@ -146,11 +142,12 @@ impl Etcd {
     /// # Errors
     /// [`Error::Etcd`].
     pub fn delete_prefix(&self, prefix: &str) -> Result<u64> {
-        let body = json!({
-            "key": B64.encode(prefix),
-            "range_end": B64.encode(prefix_end(prefix)),
-        });
-        let reply = self.call("delete_prefix", prefix, "kv/deleterange", body)?;
+        let reply = self.call(
+            "delete_prefix",
+            prefix,
+            "kv/deleterange",
+            prefix_range(prefix),
+        )?;
         Ok(int(&reply["deleted"]).unwrap_or(0).max(0) as u64)
     }
 
@@ -269,6 +266,12 @@ fn put_body(key: &str, value: &[u8], lease: i64) -> Value {
         body["lease"] = json!(lease.to_string());
     }
     body
+}
+
+/// The range of every key that starts with `prefix`, as a range or delete
+/// request takes it.
+fn prefix_range(prefix: &str) -> Value {
+    json!({ "key": B64.encode(prefix), "range_end": B64.encode(prefix_end(prefix)) })
 }
 
 /// The end of the range of keys that start with `prefix` (etcd's

@@ -261,11 +261,9 @@ impl Flash {
         let Some(lse) = guard.as_ref() else {
             candle_core::bail!("attention backward without its forward state")
         };
-        let mut dq = huge_zeroed(b * h * t * d);
-        let mut dk = huge_zeroed(b * kvh * s * d);
-        let mut dv = huge_zeroed(b * kvh * s * d);
+        let (q_len, kv_len) = (b * h * t * d, b * kvh * s * d);
         if t == 0 || s == 0 || d == 0 {
-            return Ok((dq, dk, dv));
+            return Ok((vec![0f32; q_len], vec![0f32; kv_len], vec![0f32; kv_len]));
         }
         // D = rowsum(dY * Y) per query row, f32 as the forward kept Y.
         let delta: Vec<f32> = g
@@ -284,6 +282,10 @@ impl Flash {
         if b * kvh < par::threads() {
             return Ok(self.backward_split(&c));
         }
+        // Zeroed only on this path (the split one builds its own).
+        let mut dq = huge_zeroed(q_len);
+        let mut dk = huge_zeroed(kv_len);
+        let mut dv = huge_zeroed(kv_len);
         par::chunks_mut3(
             (&mut dq, n_rep * t * d),
             (&mut dk, s * d),
