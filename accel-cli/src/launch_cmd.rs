@@ -66,7 +66,7 @@ pub struct LaunchArgs {
     pub no_prefix: bool,
     /// Times the whole group is started again after a rank fails (each
     /// start sees `TORCHELASTIC_RESTART_COUNT`); 0 fails fast [default: 0].
-    /// Single-machine jobs only.
+    /// Across machines with `--rdzv_backend etcd` only.
     #[arg(long = "max_restarts", visible_alias = "max-restarts")]
     pub max_restarts: Option<usize>,
     /// Seconds between the launcher's checks of its ranks [default: 0.1].
@@ -77,6 +77,33 @@ pub struct LaunchArgs {
     /// second signal kills at once [default: 30].
     #[arg(long = "term_timeout", visible_alias = "term-timeout")]
     pub term_timeout: Option<f64>,
+    /// How the machines' launchers meet: `static` (machine 0's store, fixed
+    /// machines, no restarts across machines) or `etcd` (torchrun's elastic
+    /// rendezvous: rounds agreed through an etcd server, restarts on every
+    /// machine, `--nnodes MIN:MAX`) [default: static].
+    #[arg(long = "rdzv_backend", visible_alias = "rdzv-backend")]
+    pub rdzv_backend: Option<String>,
+    /// etcd's client endpoint, `HOST:PORT` [default:
+    /// `main_process_ip:main_process_port`, as Accelerate passes it].
+    #[arg(long = "rdzv_endpoint", visible_alias = "rdzv-endpoint")]
+    pub rdzv_endpoint: Option<String>,
+    /// The job's id, the same on every machine [default: none, as torchrun].
+    #[arg(long = "rdzv_id", visible_alias = "rdzv-id")]
+    pub rdzv_id: Option<String>,
+    /// Machines: `N`, or `MIN:MAX` with etcd (a round starts with MIN and
+    /// takes up to MAX; `--num_processes` counts the job at MAX machines).
+    #[arg(long)]
+    pub nnodes: Option<String>,
+    /// Seconds a round that has MIN machines waits for more [default: 30].
+    #[arg(long = "rdzv_last_call", visible_alias = "rdzv-last-call")]
+    pub rdzv_last_call: Option<f64>,
+    /// Seconds one rendezvous may take, etcd unreachable included [default: 900].
+    #[arg(long = "rdzv_timeout", visible_alias = "rdzv-timeout")]
+    pub rdzv_timeout: Option<f64>,
+    /// The address other machines reach this one at with etcd [default: the
+    /// one this machine reaches etcd from].
+    #[arg(long = "local_addr", visible_alias = "local-addr")]
+    pub local_addr: Option<String>,
     /// The program to run, then its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<OsString>,
@@ -115,8 +142,15 @@ impl LaunchArgs {
         };
         let mut c = LaunchConfig::local(num_processes, self.command[0].clone());
         c.args = self.command[1..].to_vec();
+        let nnodes_max = self
+            .nnodes
+            .as_deref()
+            .map(crate::launch_rdzv::nnodes)
+            .transpose()?
+            .map(|(_, max)| max);
         c.num_machines = self
             .num_machines
+            .or(nnodes_max)
             .or(file.map(|f| f.num_machines))
             .unwrap_or(1);
         c.machine_rank = self
@@ -149,13 +183,6 @@ impl LaunchArgs {
             c.extra_env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids));
         }
         if let Some(f) = file {
-            if let Some(backend) = f.rdzv_backend.as_deref().filter(|b| *b != "static") {
-                // Accelerate passes it to torchrun's elastic agent; the launchers
-                // here meet through machine 0's store whatever it says.
-                eprintln!(
-                    "accel launch: rdzv_backend: {backend} has no effect in accel-rs: the launchers meet through machine 0's store (static); a rendezvous through etcd is not built into `accel launch` yet"
-                );
-            }
             if f.debug {
                 c.extra_env
                     .push(("ACCELERATE_DEBUG_MODE".to_string(), "true".to_string()));
@@ -261,9 +288,12 @@ impl CpuThreads {
 /// Starts the ranks and waits; the error names the first rank that failed.
 pub fn launch(args: &LaunchArgs) -> Result<()> {
     let file = args.load_config_file()?;
-    let plan = launch::plan(&args.to_config(file.as_ref())?)?;
+    let mut config = args.to_config(file.as_ref())?;
     let options = run_options(args, file.as_ref())?;
-    launch::run(&plan, &options)?;
+    match crate::launch_rdzv::elastic(args, file.as_ref(), &mut config)? {
+        Some(elastic) => launch::run_elastic(&config, &elastic, &options)?,
+        None => launch::run(&launch::plan(&config)?, &options)?,
+    }
     Ok(())
 }
 

@@ -38,6 +38,7 @@ mod device_map_cmd;
 mod env_cmd;
 mod estimate_cmd;
 mod launch_cmd;
+mod launch_rdzv;
 mod merge_cmd;
 mod quantize_cmd;
 

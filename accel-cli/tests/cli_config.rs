@@ -281,10 +281,28 @@ fn launch_takes_defaults_from_the_config_file_and_flags_win() {
 }
 
 #[test]
-fn a_rendezvous_backend_other_than_static_is_said_to_have_no_effect() {
+fn the_config_files_rendezvous_backend_acts_or_says_it_has_no_effect() {
     let home = tempfile::tempdir().unwrap();
     let path = home.path().join("accelerate/default_config.yaml");
-    for (backend, said) in [("static", false), ("c10d", true), ("etcd", true)] {
+    // etcd acts: with no main process address it has no endpoint, and says so.
+    let c = ClusterConfig {
+        distributed_type: "MULTI_CPU".into(),
+        num_processes: Some(1),
+        use_cpu: true,
+        rdzv_backend: Some("etcd".into()),
+        ..ClusterConfig::default()
+    };
+    c.save(&path).unwrap();
+    let out = accel(home.path())
+        .args(["launch", "true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("rdzv_endpoint"),
+        "{err}"
+    );
+    for (backend, said) in [("static", false), ("c10d", true)] {
         let c = ClusterConfig {
             distributed_type: "MULTI_CPU".into(),
             num_processes: Some(1),

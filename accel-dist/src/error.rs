@@ -63,6 +63,14 @@ pub enum Error {
         world: usize,
     },
 
+    /// The launcher stopped its ranks because the job failed elsewhere (a
+    /// rank of another machine, or a machine lost).
+    #[error("stopped this machine's ranks: {reason}")]
+    Stopped {
+        /// What failed.
+        reason: String,
+    },
+
     /// The launcher was interrupted (Ctrl-C or SIGTERM) and stopped every rank.
     #[error("interrupted; stopped all {world} ranks")]
     Interrupted {

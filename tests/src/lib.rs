@@ -18,6 +18,8 @@
 //! # Ok::<(), accel_core::Error>(())
 //! ```
 
+/// A real etcd for the rendezvous tests.
+pub mod etcd;
 /// Network-namespace hosts for the multi-machine tests.
 pub mod hosts;
 

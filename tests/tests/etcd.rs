@@ -3,72 +3,11 @@
 //! own, and killed at the end. Skipped, saying why, where `etcd` is not
 //! installed (`apt-get install etcd-server`).
 
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use accel_core::dist::rendezvous::{join_round, Etcd, Round, RoundSpec};
 
-/// A free loopback port (bound, noted, released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap()
-}
-
-/// An etcd serving `127.0.0.1:<port>` from `dir`, killed when dropped.
-struct Server {
-    child: Child,
-    endpoint: String,
-}
-
-impl Server {
-    fn start(dir: &Path) -> Option<Self> {
-        let (client, peer) = (free_port(), free_port());
-        let client_url = format!("http://127.0.0.1:{client}");
-        let peer_url = format!("http://127.0.0.1:{peer}");
-        let child = Command::new("etcd")
-            .args(["--name", "accel-test", "--data-dir"])
-            .arg(dir.join("data"))
-            .args(["--listen-client-urls", &client_url])
-            .args(["--advertise-client-urls", &client_url])
-            .args(["--listen-peer-urls", &peer_url])
-            .args(["--initial-advertise-peer-urls", &peer_url])
-            .args(["--initial-cluster", &format!("accel-test={peer_url}")])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("etcd.log")).unwrap())
-            .spawn();
-        let child = match child {
-            Ok(child) => child,
-            Err(e) => {
-                eprintln!("skipped: etcd could not be started ({e}); apt-get install etcd-server");
-                return None;
-            }
-        };
-        let server = Self {
-            child,
-            endpoint: format!("127.0.0.1:{client}"),
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Etcd::connect(&server.endpoint, Duration::from_secs(1)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "etcd did not answer within 30 s: {}",
-                std::fs::read_to_string(dir.join("etcd.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        Some(server)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use accel_tests::etcd::Server;
 
 #[test]
 fn keys_transactions_and_leases_behave_as_etcd_documents_them() {
@@ -250,6 +189,182 @@ fn launchers_agree_on_rounds_restarts_and_lost_nodes() {
     let err = join_round(&etcd, &alone, None).unwrap_err().to_string();
     assert!(
         err.contains("job-8") && err.contains("\"d\"") && err.contains("at least 2"),
+        "{err}"
+    );
+}
+
+const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
+
+/// One `accel launch --rdzv_backend etcd` "machine" of job `job` running
+/// `bash -c script` on 2 ranks (a job of `nnodes` machines); its output
+/// goes to `dir/launch{k}.{out,err}`.
+fn launcher(
+    dir: &std::path::Path,
+    (endpoint, job): (&str, &str),
+    (k, nnodes): (usize, &str),
+    extra: &[&str],
+    script: &str,
+) -> std::process::Child {
+    let max: usize = nnodes.rsplit(':').next().unwrap().parse().unwrap();
+    let log = |s: &str| std::fs::File::create(dir.join(format!("launch{k}.{s}"))).unwrap();
+    std::process::Command::new(LAUNCH)
+        .args(["launch", "--cpu", "--num_cpu_threads_per_process", "1"])
+        .args(["--num_processes", &(2 * max).to_string()])
+        .args(["--nnodes", nnodes, "--machine_rank", &k.to_string()])
+        .args(["--rdzv_backend", "etcd", "--rdzv_endpoint", endpoint])
+        .args(["--rdzv_id", job, "--rdzv_last_call", "1"])
+        .args(extra)
+        .args(["bash", "-c", script])
+        .env("ACCEL_JOB_TOKEN", "the-machines-share-it")
+        .stdout(log("out"))
+        .stderr(log("err"))
+        .spawn()
+        .unwrap()
+}
+
+fn wait_ok(children: Vec<std::process::Child>, dir: &std::path::Path) -> Vec<bool> {
+    let ended: Vec<bool> = children
+        .into_iter()
+        .map(|mut c| c.wait().unwrap().success())
+        .collect();
+    ended
+        .into_iter()
+        .enumerate()
+        .map(|(k, ok)| {
+            if !ok {
+                let err = std::fs::read_to_string(dir.join(format!("launch{k}.err")));
+                eprintln!("launcher {k}: {}", err.unwrap_or_default());
+            }
+            ok
+        })
+        .collect()
+}
+
+/// Every rank logs `RANK WORLD_SIZE RESTART` and checks that the round's
+/// store answers at `MASTER_ADDR:MASTER_PORT`; then `rest` runs.
+fn rank_script(log: &std::path::Path, rest: &str) -> String {
+    format!(
+        "echo \"$RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT\" >> {log} && \
+         test \"$ACCEL_USE_AGENT_STORE\" = 1 && exec 3<>/dev/tcp/$MASTER_ADDR/$MASTER_PORT && {rest}",
+        log = log.display()
+    )
+}
+
+fn logged(log: &std::path::Path) -> Vec<String> {
+    let mut lines: Vec<String> = std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .map(String::from)
+        .collect();
+    lines.sort();
+    lines
+}
+
+#[test]
+fn a_rank_failing_on_one_machine_restarts_every_machine_through_etcd() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(server) = Server::start(tmp.path()) else {
+        return;
+    };
+    let log = tmp.path().join("starts");
+    // Round 0: rank 3 (machine 1) fails at once; machine 0's ranks would
+    // run 60 s unless stopped. Round 1: every rank ends well.
+    let script = rank_script(
+        &log,
+        "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then \
+           if [ $RANK = 3 ]; then exit 3; else sleep 60; fi; fi",
+    );
+    let started = Instant::now();
+    let children = (0..2)
+        .map(|k| {
+            let ep = (server.endpoint.as_str(), "job-a");
+            launcher(tmp.path(), ep, (k, "2"), &["--max_restarts", "1"], &script)
+        })
+        .collect();
+    assert_eq!(wait_ok(children, tmp.path()), [true, true]);
+    assert!(
+        started.elapsed() < Duration::from_secs(40),
+        "machine 0's ranks were not stopped: {:?}",
+        started.elapsed()
+    );
+    let starts: Vec<String> = (0..2)
+        .flat_map(|restart| (0..4).map(move |r| format!("{r} 4 {restart}")))
+        .collect();
+    let mut starts = starts;
+    starts.sort();
+    assert_eq!(logged(&log), starts);
+    let err0 = std::fs::read_to_string(tmp.path().join("launch0.err")).unwrap();
+    assert!(
+        err0.contains("rank 3 on node m00001") && err0.contains("restart 1 of 1"),
+        "{err0}"
+    );
+    // The job ended well: its keys are gone.
+    let etcd = Etcd::connect(&server.endpoint, Duration::from_secs(5)).unwrap();
+    assert!(etcd.get_prefix("accel/job-a/").unwrap().is_empty());
+
+    // With the restarts spent, the failure ends the job on every machine.
+    let _ = std::fs::remove_file(&log);
+    let fail = rank_script(&log, "if [ $RANK = 0 ]; then exit 5; else sleep 60; fi");
+    let children = (0..2)
+        .map(|k| {
+            let ep = (server.endpoint.as_str(), "job-b");
+            launcher(tmp.path(), ep, (k, "2"), &[], &fail)
+        })
+        .collect();
+    assert_eq!(wait_ok(children, tmp.path()), [false, false]);
+    let err1 = std::fs::read_to_string(tmp.path().join("launch1.err")).unwrap();
+    assert!(
+        err1.contains("rank 0 on node m00000") && err1.contains("restarts are spent"),
+        "{err1}"
+    );
+}
+
+#[test]
+fn a_round_takes_min_nodes_after_the_last_call_and_goes_on_without_etcd() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(mut server) = Server::start(tmp.path()) else {
+        return;
+    };
+    let log = tmp.path().join("starts");
+    // 2 of up to 3 machines: the round starts after the last call with 4
+    // ranks; etcd is killed while they run, and they end well.
+    let script = rank_script(&log, "sleep 3");
+    let children: Vec<_> = (0..2)
+        .map(|k| {
+            let ep = (server.endpoint.as_str(), "job-c");
+            launcher(tmp.path(), ep, (k, "2:3"), &[], &script)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while logged(&log).len() < 4 {
+        assert!(Instant::now() < deadline, "no round: {:?}", logged(&log));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server.child.kill().unwrap();
+    server.child.wait().unwrap();
+    assert_eq!(wait_ok(children, tmp.path()), [true, true]);
+    assert_eq!(logged(&log), ["0 4 0", "1 4 0", "2 4 0", "3 4 0"]);
+    let err0 = std::fs::read_to_string(tmp.path().join("launch0.err")).unwrap();
+    assert!(err0.contains("goes on without etcd"), "{err0}");
+
+    // A rendezvous with etcd gone waits --rdzv_timeout, then names it.
+    let started = Instant::now();
+    let alone = launcher(
+        tmp.path(),
+        (server.endpoint.as_str(), "job-d"),
+        (0, "1"),
+        &["--rdzv_timeout", "2"],
+        "true",
+    );
+    assert_eq!(wait_ok(vec![alone], tmp.path()), [false]);
+    let waited = started.elapsed();
+    assert!(
+        (Duration::from_secs(2)..Duration::from_secs(15)).contains(&waited),
+        "{waited:?}"
+    );
+    let err = std::fs::read_to_string(tmp.path().join("launch0.err")).unwrap();
+    assert!(
+        err.contains(&server.endpoint) && err.contains("rdzv_timeout"),
         "{err}"
     );
 }

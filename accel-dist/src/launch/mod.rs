@@ -5,8 +5,10 @@
 //! from settings to the exact processes and environments (unit-tested), and
 //! [`run`] executes a plan.
 
+mod elastic;
 mod plan;
 mod spawn;
 
+pub use elastic::{run_elastic, Elastic};
 pub use plan::{plan, LaunchConfig, LaunchPlan, RankProcess};
 pub use spawn::{run, RunOptions, ENV_MAX_RESTARTS, ENV_RESTART_COUNT};

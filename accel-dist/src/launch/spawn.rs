@@ -109,8 +109,15 @@ fn describe(status: ExitStatus) -> String {
 /// rely on it.
 static SIGNALS: AtomicUsize = AtomicUsize::new(0);
 
-fn interrupted() -> bool {
+pub(super) fn interrupted() -> bool {
     SIGNALS.load(Ordering::SeqCst) > 0
+}
+
+/// Counts Ctrl-C and SIGTERM to the launcher (see [`SIGNALS`]).
+pub(super) fn count_signals() {
+    let _ = ctrlc::set_handler(|| {
+        SIGNALS.fetch_add(1, Ordering::SeqCst);
+    });
 }
 
 /// Starts every process of `plan` and waits for all of them. When one exits
@@ -125,22 +132,20 @@ fn interrupted() -> bool {
 /// restarts are asked of a job spanning machines (the group restart needs
 /// the launchers of all machines to agree, which is not built yet).
 pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
-    let _ = ctrlc::set_handler(|| {
-        SIGNALS.fetch_add(1, Ordering::SeqCst);
-    });
+    count_signals();
     if options.max_restarts > 0 && !plan.agent_store {
         return Err(Error::Env {
             var: "max_restarts",
             value: options.max_restarts.to_string(),
             reason: "restarts need a single-machine job whose launcher hosts the rendezvous \
-                     (no --main_process_port); a group spanning machines fails fast"
+                     (no --main_process_port), or --rdzv_backend etcd across machines"
                 .into(),
         });
     }
     raise_descriptor_limit();
     let mut restart = 0;
     loop {
-        match run_once(plan, options, restart) {
+        match run_once(plan, options, restart, &mut || None) {
             Err(Error::RankFailed { rank, status, .. })
                 if restart < options.max_restarts && !interrupted() =>
             {
@@ -157,8 +162,14 @@ pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
 }
 
 /// One start of the group: [`run`] without restarts; `restart` is this
-/// start's number.
-fn run_once(plan: &LaunchPlan, options: &RunOptions, restart: usize) -> Result<()> {
+/// start's number. `watch`, asked at every look at the ranks, stops them
+/// all when it gives a reason (a rank of another machine failed).
+pub(super) fn run_once(
+    plan: &LaunchPlan,
+    options: &RunOptions,
+    restart: usize,
+    watch: &mut dyn FnMut() -> Option<String>,
+) -> Result<()> {
     let stdout: Arc<Mutex<dyn Write + Send>> = Arc::new(Mutex::new(std::io::stdout()));
     let stderr: Arc<Mutex<dyn Write + Send>> = Arc::new(Mutex::new(std::io::stderr()));
     let mut children: Vec<(usize, Child)> = vec![];
@@ -233,6 +244,15 @@ fn run_once(plan: &LaunchPlan, options: &RunOptions, restart: usize) -> Result<(
             running.clear();
             break;
         }
+        if failure.is_none() && !running.is_empty() {
+            if let Some(reason) = watch() {
+                stop(&mut running, options.grace);
+                for p in pumps {
+                    let _ = p.join();
+                }
+                return Err(Error::Stopped { reason });
+            }
+        }
         std::thread::sleep(options.monitor_interval);
     }
     for p in pumps {
@@ -255,7 +275,7 @@ fn run_once(plan: &LaunchPlan, options: &RunOptions, restart: usize) -> Result<(
 
 /// Raises the soft limit on open files to the hard one (capped at 2^20), as
 /// the launcher's store holds one descriptor per client; the ranks inherit it.
-fn raise_descriptor_limit() {
+pub(super) fn raise_descriptor_limit() {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
         return;
@@ -292,7 +312,7 @@ fn stop_on_signal(children: &mut [(usize, Child)], timeout: Duration) {
 }
 
 /// SIGTERM to every child, then SIGKILL to those still alive after `grace`.
-fn stop(children: &mut [(usize, Child)], grace: Duration) {
+pub(super) fn stop(children: &mut [(usize, Child)], grace: Duration) {
     terminate(children, grace, || false);
 }
 

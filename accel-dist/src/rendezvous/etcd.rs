@@ -172,6 +172,16 @@ impl Etcd {
     /// # Errors
     /// [`Error::Etcd`], also when the lease has expired (its keys are gone).
     pub fn keep_alive(&self, lease: i64) -> Result<Duration> {
+        self.renew(lease)?
+            .ok_or_else(|| self.error("keep_alive", "", format!("lease {lease:x} has expired")))
+    }
+
+    /// Renews `lease`: the seconds it now has left, or `None` when it has
+    /// already expired (etcd answered, and its keys are gone).
+    ///
+    /// # Errors
+    /// [`Error::Etcd`] when etcd does not answer.
+    pub fn renew(&self, lease: i64) -> Result<Option<Duration>> {
         let reply = self.call(
             "keep_alive",
             "",
@@ -180,10 +190,9 @@ impl Etcd {
         )?;
         // The gateway streams replies; one renewal answers `{"result": {...}}`.
         let result = reply.get("result").unwrap_or(&reply);
-        match int(&result["TTL"]) {
-            Some(ttl) if ttl > 0 => Ok(Duration::from_secs(ttl as u64)),
-            _ => Err(self.error("keep_alive", "", format!("lease {lease:x} has expired"))),
-        }
+        Ok(int(&result["TTL"])
+            .filter(|&ttl| ttl > 0)
+            .map(|ttl| Duration::from_secs(ttl as u64)))
     }
 
     /// Ends `lease` now, deleting its keys.

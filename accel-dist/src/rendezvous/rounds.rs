@@ -150,6 +150,16 @@ pub fn join(etcd: &Etcd, spec: &RoundSpec, after: Option<u64>) -> Result<Round> 
                     job: spec.job.clone(),
                 });
             }
+            if live_members(etcd, &spec.job, &state)?.is_empty() {
+                // Every member of the last round is gone (a job that died
+                // whole, or ended without cleaning up): a new round.
+                swap(&State {
+                    round: state.round + 1,
+                    open: true,
+                    members: Vec::new(),
+                })?;
+                continue;
+            }
             // A round runs without this node: wait for the next one.
             std::thread::sleep(POLL);
             continue;
@@ -191,6 +201,9 @@ pub fn join(etcd: &Etcd, spec: &RoundSpec, after: Option<u64>) -> Result<Round> 
         if close {
             let mut next = state.clone();
             next.open = false;
+            // Node ranks by name, not by who joined first: a node keeps its
+            // place from round to round (names lead with `--machine_rank`).
+            next.members.sort();
             swap(&next)?;
             continue;
         }
@@ -243,6 +256,17 @@ impl Round {
             .filter(|m| !alive.contains(m))
             .cloned()
             .collect())
+    }
+
+    /// The job's id.
+    pub fn job(&self) -> &str {
+        &self.job
+    }
+
+    /// The lease this node's membership lives under: keys put under it
+    /// vanish with the node.
+    pub fn lease(&self) -> i64 {
+        self.lease
     }
 
     /// Ends this node's membership now (a clean exit), so that nobody waits
