@@ -59,6 +59,12 @@ impl Hosts {
             "bridge",
         )?;
         must(ip(&["-n", sw, "link", "set", "br0", "up"]), "bridge up")?;
+        // The switch's own address, for services every host reaches (etcd).
+        let hub = format!("{}/24", self.hub_addr());
+        must(
+            ip(&["-n", sw, "addr", "add", &hub, "dev", "br0"]),
+            "hub address",
+        )?;
         for (i, ns) in self.names.iter().enumerate() {
             let (host_end, switch_end) = (format!("v{i}"), format!("s{i}"));
             // Created inside the host namespace, the switch end moved out:
@@ -104,6 +110,29 @@ impl Hosts {
     /// Host `i`'s address.
     pub fn addr(&self, i: usize) -> String {
         format!("10.231.{}.{}", self.subnet, i + 1)
+    }
+
+    /// The switch's address: a service there (etcd) is cut off from a
+    /// host whose link is down, as a partitioned machine is.
+    pub fn hub_addr(&self) -> String {
+        format!("10.231.{}.254", self.subnet)
+    }
+
+    /// A command run inside the switch's namespace (at [`Self::hub_addr`]).
+    pub fn hub_command(&self, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.switch, program]);
+        c
+    }
+
+    /// SIGKILL to every process inside host `i`: the machine dies.
+    pub fn kill_all(&self, i: usize) {
+        let pids = ip(&["netns", "pids", &self.names[i]])
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        for pid in pids.split_whitespace() {
+            let _ = Command::new("kill").args(["-KILL", pid]).status();
+        }
     }
 
     /// A command run inside host `i`.

@@ -294,7 +294,7 @@ impl Accelerator {
         if restart == 0 || !self.config.project.automatic_checkpoint_naming {
             return Ok(None);
         }
-        let found = checkpoint::list_checkpoints(self.checkpoints_dir())?;
+        let found = self.checkpoints_on_every_rank(restart)?;
         if found.is_empty() {
             self.print(format!(
                 "restart {restart}: no checkpoint in {} yet; starting over",
@@ -320,6 +320,30 @@ impl Accelerator {
             }
         }
         Err(last_error.expect("at least one checkpoint was tried"))
+    }
+
+    /// The automatic checkpoints every rank can read, oldest first: where
+    /// machines keep their own copies (`save_on_each_node`, or a machine
+    /// that missed a save before it failed), a checkpoint one rank lacks
+    /// would make the ranks load different steps. Each one skipped is said.
+    fn checkpoints_on_every_rank(&self, restart: usize) -> Result<Vec<(u64, PathBuf)>> {
+        let found = checkpoint::list_checkpoints(self.checkpoints_dir())?;
+        if self.num_processes() == 1 {
+            return Ok(found);
+        }
+        let mine: Vec<u64> = found.iter().map(|(n, _)| *n).collect();
+        let all: Vec<Vec<u64>> = self.comm().gather_object(&mine)?;
+        let mut kept = vec![];
+        for (n, dir) in found {
+            match all.iter().position(|theirs| !theirs.contains(&n)) {
+                None => kept.push((n, dir)),
+                Some(rank) => self.print(format!(
+                    "restart {restart}: skipping {}: rank {rank} cannot read it",
+                    dir.display()
+                )),
+            }
+        }
+        Ok(kept)
     }
 
     /// The folder `load_state` reads (and the next automatic number).
