@@ -4,7 +4,7 @@
 # barriers) and compare it with a double-precision reference. What a GPU adds (timing, the memory
 # model, PTX) is scripts/gpu_check.sh's; what NVRTC accepts is scripts/check_cuda_sources.sh's.
 #
-#   scripts/check_cuda_emulated.sh          # every check, ~1.5 min on 2 cores
+#   scripts/check_cuda_emulated.sh          # every check, ~25 s on 2 cores
 set -euo pipefail
 cd "$(dirname "$0")/cuda_emulate"
 out=$(mktemp -d)

@@ -1,21 +1,25 @@
 // Runs accel-kernels' CUDA C++ on the host, for checking a kernel's logic (indexing, masking,
 // reductions, shared-memory tiles, warp shuffles) against a reference without a GPU.
 //
-// Each CUDA thread of a block is an OS thread; blocks run one after another. __syncthreads is a
-// barrier of the block's threads, and a warp's shuffles exchange values through a buffer between
-// two barriers of its 32 threads, so every thread of a warp must reach each shuffle (as on the
-// GPU with a full mask). __shared__ arrays become statics (one block at a time uses them).
+// Each CUDA thread of a block is a fiber (ucontext) of one OS thread; blocks run one after
+// another. __syncthreads is a barrier of the block's fibers, and a warp's shuffles exchange values
+// through a buffer between two barriers of its 32 fibers, so every thread of a warp must reach
+// each shuffle (as on the GPU with a full mask). A fiber runs until it waits at a barrier; the
+// scheduler goes through the fibers forwards, then backwards, so a read of shared memory that
+// misses a barrier sees the other threads' writes on one pass and not on the next. (OS threads,
+// as before, spent 5 of the 6 minutes of this check in the kernel waking 128 threads on 2 cores.)
+// __shared__ arrays become statics (one block at a time uses them).
 // What this cannot check: timing, the memory model beyond these barriers, PTX, and anything
 // NVRTC-specific (scripts/check_cuda_sources.sh compiles the sources for that).
 #pragma once
 
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
+#include <csetjmp>
+#include <ucontext.h>
 #include <vector>
 
 // common.cuh's role, on the host: its guard keeps the .cu files from including it.
@@ -36,17 +40,59 @@ struct dim3 {
     u32 x = 1, y = 1, z = 1;
 };
 
-inline thread_local dim3 threadIdx, blockIdx;
+// The running fiber's; the scheduler sets them at each switch.
+inline dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 
 namespace emu {
+// A fiber: one CUDA thread's stack and context.
+// makecontext gives a fiber its stack and first entry; after that, switches are _setjmp and
+// _longjmp, which (unlike swapcontext) make no system call for the signal mask.
+struct Fiber {
+    ucontext_t ctx;
+    jmp_buf at;
+    std::unique_ptr<char[]> stack;
+    dim3 tid, bid;
+    bool started = false, done = false;
+};
+inline ucontext_t scheduler_ctx;
+inline jmp_buf scheduler;
+inline Fiber* running = nullptr;
+inline std::function<void()> fiber_body;
+
+// Back to the scheduler; the fiber resumes here at its next turn.
+inline void yield() {
+    if (!_setjmp(running->at)) _longjmp(scheduler, 1);
+}
+
+// Arrive, then wait (yielding) until all `n` have arrived; the last one goes on at once.
+struct Barrier {
+    u32 n, count = 0, gen = 0;
+    explicit Barrier(u32 n) : n(n) {}
+    void arrive_and_wait() {
+        u32 g = gen;
+        if (++count == n) {
+            count = 0;
+            ++gen;
+            return;
+        }
+        while (gen == g) yield();
+    }
+};
+
+inline void fiber_main() {
+    fiber_body();
+    running->done = true;
+    _longjmp(scheduler, 1);  // never returns: its stack is freed with the fiber
+}
+
 struct Warp {
-    std::barrier<> bar{32};
+    Barrier bar{32};
     float buf[32];
     // mma.sync's fragments, by lane.
     u32 a[32][4], b[32][2];
 };
-inline std::barrier<>* block_barrier = nullptr;
+inline Barrier* block_barrier = nullptr;
 inline Warp* warps = nullptr;
 
 inline float exchange(float v, u32 src) {
@@ -58,31 +104,56 @@ inline float exchange(float v, u32 src) {
     return r;
 }
 
-// Runs `kernel(args...)` over `grid` x `block` threads: one OS thread per thread of a block,
-// going through the blocks in order, with a barrier between blocks (their statics are shared).
+// Runs `kernel(args...)` over `grid` x `block` threads: one fiber per thread of a block, going
+// through the blocks in order, with a barrier between blocks (their statics are shared).
 template <typename... P, typename... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
     gridDim = grid;
     blockDim = block;
     u32 n = block.x * block.y * block.z;
-    std::barrier<> bar(n);
+    Barrier bar(n);
     std::unique_ptr<Warp[]> ws(new Warp[(n + 31) / 32]);
     block_barrier = &bar;
     warps = ws.get();
-    std::vector<std::thread> threads;
+    fiber_body = [&] {
+        for (u32 bz = 0; bz < grid.z; ++bz)
+            for (u32 by = 0; by < grid.y; ++by)
+                for (u32 bx = 0; bx < grid.x; ++bx) {
+                    blockIdx = {bx, by, bz};
+                    kernel(args...);
+                    bar.arrive_and_wait();
+                }
+    };
+    constexpr size_t STACK = 256 << 10;
+    std::vector<Fiber> fibers(n);
     for (u32 t = 0; t < n; ++t) {
-        threads.emplace_back([&, t] {
-            threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-            for (u32 bz = 0; bz < grid.z; ++bz)
-                for (u32 by = 0; by < grid.y; ++by)
-                    for (u32 bx = 0; bx < grid.x; ++bx) {
-                        blockIdx = {bx, by, bz};
-                        kernel(args...);
-                        bar.arrive_and_wait();
-                    }
-        });
+        Fiber& f = fibers[t];
+        f.tid = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+        f.stack.reset(new char[STACK]);
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack.get();
+        f.ctx.uc_stack.ss_size = STACK;
+        f.ctx.uc_link = nullptr;
+        makecontext(&f.ctx, fiber_main, 0);
     }
-    for (auto& th : threads) th.join();
+    u32 left = n;
+    for (bool forward = true; left > 0; forward = !forward) {
+        for (u32 k = 0; k < n; ++k) {
+            Fiber& f = fibers[forward ? k : n - 1 - k];
+            if (f.done) continue;
+            running = &f;
+            threadIdx = f.tid;
+            blockIdx = f.bid;
+            if (!_setjmp(scheduler)) {
+                if (f.started) _longjmp(f.at, 1);
+                f.started = true;
+                swapcontext(&scheduler_ctx, &f.ctx);
+            }
+            f.bid = blockIdx;
+            if (f.done) --left;
+        }
+    }
+    running = nullptr;
 }
 
 // The 16-bit element of `reg` at `half` (0: low, 1: high) as f32, for `T` (BF16 or F16).
