@@ -77,7 +77,7 @@ pub enum Command {
     /// What a checkpoint needs to load and to train, per dtype.
     EstimateMemory(EstimateArgs),
     /// Run a program on several processes with torchrun's environment variables.
-    Launch(LaunchArgs),
+    Launch(Box<LaunchArgs>),
     /// Merge a sharded FSDP checkpoint (`SHARDED_STATE_DICT`) into `model.safetensors`.
     MergeWeights(MergeWeightsArgs),
     /// Merge a PEFT LoRA adapter into its base model's weights (PEFT's `merge_and_unload`).
