@@ -22,9 +22,10 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBit
 use half::{bf16, f16};
 
 use super::args::{BackwardInputs, FlashArgs, FlashDims};
+use super::compile::{device_cc, WrapDriver};
 use super::launch::launch_flash;
 use super::operands::slice_of;
-use super::{device_cc, KernelId, WrapDriver};
+use super::registry::KernelId;
 use crate::{Error, Result};
 
 /// The largest head dimension the kernels take (`FA_DMAX`): each tile row

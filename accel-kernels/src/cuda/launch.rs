@@ -21,8 +21,9 @@ use super::args::{
     BackwardInputs, FlashArgs, FlashDims, LossArgs, PointwiseArgs, QuantArgs, QuantCodes,
     QuantDims, QuantScales, RowArgs, FLASH_WARPS, GEMV_ROWS, GEMV_WARPS, ROWS_PER_PARTIAL,
 };
+use super::compile::{function, WrapDriver};
 use super::operands::Table;
-use super::{function, KernelId, WrapDriver};
+use super::registry::KernelId;
 use crate::{Error, Result};
 
 /// Threads per block.

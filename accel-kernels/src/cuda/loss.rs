@@ -8,9 +8,9 @@ use candle_core::Layout;
 use cudarc::driver::{CudaSlice, CudaView};
 
 use super::args::LossArgs;
+use super::compile::WrapDriver;
 use super::launch::launch_loss;
 use super::operands::{f32_view, view};
-use super::WrapDriver;
 use crate::{Error, Result};
 
 /// `(rows, classes)` of `[n, c]` logits with `[n]` targets.

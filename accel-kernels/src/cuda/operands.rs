@@ -8,8 +8,23 @@ use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, CudaStorageSlice};
 use candle_core::{CpuStorage, DType, InplaceOp1, Layout, Storage, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, SyncOnDrop};
 
-use super::chunk_len;
 use crate::{Error, Result};
+
+/// Smallest and largest chunk of a launch table, in elements. Chunk
+/// lengths are powers of two (multiples of the vector width, so every chunk
+/// of an aligned tensor is aligned too).
+pub(crate) const MIN_CHUNK: usize = 4 * 1024;
+/// See [`MIN_CHUNK`].
+pub(crate) const MAX_CHUNK: usize = 64 * 1024;
+
+/// The chunk length for a list of `total` elements: about 2048 chunks,
+/// enough blocks to fill a large GPU several times over, and each a block's
+/// worth of work (up to 64K elements) so that per-chunk costs stay small.
+pub(crate) fn chunk_len(total: usize) -> usize {
+    (total / 2048)
+        .next_power_of_two()
+        .clamp(MIN_CHUNK, MAX_CHUNK)
+}
 
 /// Most tensors one launch covers (`LAUNCH_TENSORS` in `common.cuh`).
 pub(crate) const LAUNCH_TENSORS: usize = 64;
@@ -363,7 +378,7 @@ pub(crate) fn view<'a, T: CudaDType>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{MAX_CHUNK, MIN_CHUNK};
+    use super::{MAX_CHUNK, MIN_CHUNK};
 
     #[test]
     fn tables_number_the_chunks_of_each_tensor_and_skip_empty_ones() {

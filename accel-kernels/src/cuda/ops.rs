@@ -5,9 +5,10 @@
 
 use candle_core::{DType, Tensor};
 
+use super::compile::WrapDriver;
 use super::launch::{launch, AdamWArgs, Args, SgdArgs};
 use super::operands::{by_dtype, elem_sizes, launch_tables, with_device_ptrs, Column, Table};
-use super::{KernelId, WrapDriver};
+use super::registry::KernelId;
 use crate::hyperparams::{AdamWScalars, SgdScalars};
 use crate::{fallback, Result};
 

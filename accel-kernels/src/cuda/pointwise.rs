@@ -11,9 +11,9 @@ use candle_core::Layout;
 use cudarc::driver::CudaSlice;
 
 use super::args::PointwiseArgs;
+use super::compile::WrapDriver;
 use super::launch::launch_pointwise;
 use super::operands::f32_view;
-use super::WrapDriver;
 pub use crate::activation::Activation;
 use crate::{Error, Result};
 

@@ -15,8 +15,8 @@
 
 use candle_core::Device;
 
+use super::compile::{cuda_of, WrapDriver};
 use super::launch::{pool_used_high, reset_pool_used_high, set_release_threshold, trim_pool};
-use super::{cuda_of, WrapDriver};
 use crate::Result;
 
 /// Whether memory freed on `device` stays reserved for the process (`true`,

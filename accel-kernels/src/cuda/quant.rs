@@ -21,9 +21,10 @@ use cudarc::driver::{CudaSlice, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 use super::args::{QuantArgs, QuantCodes, QuantDims, QuantScales, GEMV_ROWS};
+use super::compile::WrapDriver;
 use super::launch::launch_quant;
 use super::operands::view;
-use super::{KernelId, WrapDriver};
+use super::registry::KernelId;
 use crate::quant_weight::{Operand, QuantMaxima, QuantWeight};
 use crate::{Error, Result};
 

@@ -14,9 +14,9 @@ use candle_core::Layout;
 use cudarc::driver::CudaSlice;
 
 use super::args::{RowArgs, ROWS_PER_PARTIAL};
+use super::compile::WrapDriver;
 use super::launch::launch_rows;
 use super::operands::f32_view;
-use super::WrapDriver;
 use crate::{Error, Result};
 
 /// `(rows, d)` of `x` normalised over its last dimension with a `[d]`

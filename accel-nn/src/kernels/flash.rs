@@ -2,7 +2,7 @@
 //! in the sequence length, causal tiles above the diagonal skipped, and with
 //! a sliding window the tiles before it too (work `O(t * window)`).
 //!
-//! [`super::attention`] keeps the probabilities `[b*h, t, s]` for backward
+//! The materialising kernel (`attention.rs`) keeps the probabilities `[b*h, t, s]` for backward
 //! (2 GiB per layer at t = s = 8192 with 8 heads) and runs its products over
 //! the whole square. Here the forward walks key tiles of `BC` keys for each
 //! tile of `BR` queries with an online softmax (running max and sum per row),
