@@ -2,9 +2,9 @@
 //! in the sequence length, causal tiles above the diagonal skipped, and with
 //! a sliding window the tiles before it too (work `O(t * window)`).
 //!
-//! The materialising kernel (`attention.rs`) keeps the probabilities `[b*h, t, s]` for backward
-//! (2 GiB per layer at t = s = 8192 with 8 heads) and runs its products over
-//! the whole square. Here the forward walks key tiles of `BC` keys for each
+//! The materialising kernel (`attention.rs`) keeps the probabilities
+//! `[b*h, t, s]` for backward (2 GiB per layer at t = s = 8192 with 8 heads)
+//! and runs its products over the whole square. Here the forward walks key tiles of `BC` keys for each
 //! tile of `BR` queries with an online softmax (running max and sum per row),
 //! and keeps only the output and one log-sum-exp per query row. The backward
 //! recomputes each tile's probabilities from the log-sum-exp. The largest
