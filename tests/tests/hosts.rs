@@ -368,3 +368,34 @@ fn with_nnodes_2_to_3_the_job_goes_on_with_two_hosts_when_one_of_three_dies() {
     assert!(out0.contains("resumed from"), "{out0}");
     assert!(model(&out).len() > 1000);
 }
+
+#[test]
+fn with_nnodes_2_to_3_a_host_that_arrives_mid_run_is_admitted_by_a_restart() {
+    let hosts = hosts_or_skip!(3);
+    let tmp = tempfile::tempdir().unwrap();
+    let etcd = etcd_or_skip!(hosts, tmp.path());
+    let out = tmp.path().join("run");
+    let on = |i: usize| {
+        let log = (tmp.path(), ["host0", "host1", "host2"][i]);
+        elastic_on(&hosts, (i, i, "2:3"), (&etcd, &out), log, &[])
+    };
+    let mut children = vec![on(0), on(1)];
+    wait_for_checkpoint(&out, 1);
+    // Host 2 arrives while round 0 runs with 2 of up to 3 nodes: it waits,
+    // the running launchers stop their ranks (which save the step they are
+    // at), and all three meet in round 1.
+    children.push(on(2));
+    let (runs, _) = wait_all(children, Duration::from_secs(240));
+    for (i, (ok, out, err)) in runs.iter().enumerate() {
+        assert!(ok, "host {i}: {err}\n{out}");
+    }
+    let (_, out0, err0) = &runs[0];
+    assert!(
+        err0.contains("wait to join round 0")
+            && err0.contains("not counted as a restart")
+            && err0.contains("round 1: node 0 of 3 (6 ranks)")
+            && err0.contains("the world size is now 6 (it was 4)"),
+        "{err0}"
+    );
+    assert!(out0.contains("resumed from"), "{out0}");
+}

@@ -12,8 +12,12 @@
 //! and stops the local ranks when another node reports a failed rank or a
 //! member's lease lapses. Then every launcher joins the next round, and the
 //! ranks see its number as `TORCHELASTIC_RESTART_COUNT` (so they resume from
-//! the newest checkpoint). A job that ends well marks each node done, and the
-//! last node deletes the job's keys.
+//! the newest checkpoint). A node that arrives while a round runs with room
+//! for it waits under `accel/<job>/waiting/`; the watchers then restart the
+//! round to admit it (the ranks get SIGTERM and `--term_timeout` to save the
+//! step they are at; such restarts do not count against `--max_restarts`).
+//! A job that ends well marks each node done, and the last node deletes the
+//! job's keys.
 //!
 //! etcd is needed to meet, not to run: a round whose etcd dies goes on (the
 //! watcher says so once), and a rendezvous retries etcd until
@@ -27,7 +31,7 @@ use std::time::{Duration, Instant};
 use super::spawn::{count_signals, interrupted, raise_descriptor_limit, run_once};
 use super::{plan, LaunchConfig, RunOptions};
 use crate::process::{ENV_JOB_TOKEN, ENV_USE_AGENT_STORE};
-use crate::rendezvous::{join_round, Etcd, Round, RoundSpec, StoreServer};
+use crate::rendezvous::{join_round, waiting_nodes, Etcd, Round, RoundSpec, StoreServer};
 use crate::{Error, Result};
 
 /// Where and how the launchers meet (torchrun's `--rdzv-*` and `--nnodes`).
@@ -110,6 +114,7 @@ pub fn run_elastic(config: &LaunchConfig, elastic: &Elastic, options: &RunOption
     };
     let mut after = None;
     let mut world_before = None;
+    let mut failures = 0;
     loop {
         let round = join_retrying(&etcd, &spec, after)?;
         let world = round.members.len() * elastic.procs_per_node;
@@ -128,10 +133,26 @@ pub fn run_elastic(config: &LaunchConfig, elastic: &Elastic, options: &RunOption
         }
         world_before = Some(world);
         let outcome = run_round(config, elastic, options, &etcd, &round, (host, &token));
+        let admit_key = round_key(&elastic.job, "admit", round.number);
+        // A round stopped to admit waiting nodes is not a failure, whatever
+        // its ranks' exits (they stop together, after saving).
+        let admitting = match outcome {
+            Ok(()) => None,
+            Err(_) => etcd.get(&admit_key).ok().flatten(),
+        };
+        let admitting = admitting.map(|e| String::from_utf8_lossy(&e.value).into_owned());
         match outcome {
             Ok(()) => {
                 finish(&etcd, round, &node);
                 return Ok(());
+            }
+            Err(Error::RankFailed { .. } | Error::Stopped { .. }) if admitting.is_some() => {
+                eprintln!(
+                    "accel launch: round {}: {}; restarting to admit them (not counted as a \
+                     restart)",
+                    round.number,
+                    admitting.as_deref().unwrap_or_default()
+                );
             }
             Err(Error::RankFailed { rank, status, .. }) => {
                 let what = format!("rank {rank} on node {node} failed with {status}");
@@ -159,19 +180,21 @@ pub fn run_elastic(config: &LaunchConfig, elastic: &Elastic, options: &RunOption
                 world: elastic.procs_per_node,
             });
         }
-        if number as usize >= options.max_restarts {
-            return Err(Error::Stopped {
-                reason: format!(
-                    "round {number} failed and the {} restarts are spent",
-                    options.max_restarts
-                ),
-            });
+        if admitting.is_none() {
+            if failures >= options.max_restarts {
+                return Err(Error::Stopped {
+                    reason: format!(
+                        "round {number} failed and the {} restarts are spent",
+                        options.max_restarts
+                    ),
+                });
+            }
+            failures += 1;
+            eprintln!(
+                "accel launch: restart {failures} of {}",
+                options.max_restarts
+            );
         }
-        eprintln!(
-            "accel launch: restart {} of {}",
-            number + 1,
-            options.max_restarts
-        );
         after = Some(number);
     }
 }
@@ -209,9 +232,15 @@ fn run_round(
         p.env
             .push((ENV_USE_AGENT_STORE.to_string(), "1".to_string()));
     }
-    let watcher = Watcher::start(etcd.clone(), round.clone(), elastic.job.clone());
+    let watcher = Watcher::start(etcd.clone(), round.clone(), elastic);
     let outcome = run_once(&plan, options, round.number as usize, &mut || {
-        watcher.reason()
+        // Failed elsewhere: the ranks are stopped as a failed rank's peers
+        // are. Admitting nodes: they get the time a SIGTERM gives them to
+        // save the step they are at.
+        watcher.reason().map(|stop| match stop {
+            Stop::Failed(why) => (why, options.grace),
+            Stop::Admit(why) => (why, options.term_timeout),
+        })
     });
     watcher.stop();
     drop(store);
@@ -354,23 +383,33 @@ fn finish(etcd: &Etcd, round: Round, node: &str) {
     }
 }
 
+/// Why a running round stops.
+#[derive(Debug, Clone, PartialEq)]
+enum Stop {
+    /// A rank failed, or a member was lost.
+    Failed(String),
+    /// Nodes wait to join and the round has room: restart with them.
+    Admit(String),
+}
+
 /// Renews this node's lease and watches the round while its ranks run; a
 /// thread of its own, as an etcd call may take [`CALL_TIMEOUT`].
 struct Watcher {
-    reason: Arc<Mutex<Option<String>>>,
+    reason: Arc<Mutex<Option<Stop>>>,
     done: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Watcher {
-    fn start(etcd: Etcd, round: Round, job: String) -> Self {
+    fn start(etcd: Etcd, round: Round, elastic: &Elastic) -> Self {
         let reason = Arc::new(Mutex::new(None));
         let done = Arc::new(AtomicBool::new(false));
         let (r, d) = (reason.clone(), done.clone());
+        let (job, max_nodes) = (elastic.job.clone(), elastic.max_nodes);
         let thread = std::thread::spawn(move || {
             let mut etcd_lost = false;
             while !d.load(Ordering::SeqCst) {
-                match look(&etcd, &round, &job) {
+                match look(&etcd, &round, (&job, max_nodes)) {
                     Ok(None) => etcd_lost = false,
                     Ok(Some(why)) => {
                         *r.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
@@ -392,7 +431,7 @@ impl Watcher {
         }
     }
 
-    fn reason(&self) -> Option<String> {
+    fn reason(&self) -> Option<Stop> {
         self.reason
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -407,19 +446,38 @@ impl Watcher {
     }
 }
 
-/// One look: renew the lease; a reason to stop when another node failed
-/// or a member's membership lapsed (one that ended well is not lost).
-fn look(etcd: &Etcd, round: &Round, job: &str) -> Result<Option<String>> {
+/// One look: renew the lease; a reason to stop when another node failed,
+/// a member's membership lapsed (one that ended well is not lost), or nodes
+/// wait to join a round that has room for them.
+fn look(etcd: &Etcd, round: &Round, (job, max_nodes): (&str, usize)) -> Result<Option<Stop>> {
     if etcd.renew(round.lease())?.is_none() {
-        return Ok(Some(format!(
+        return Ok(Some(Stop::Failed(format!(
             "this node's membership of round {} lapsed (etcd at {} did not hear from it for \
              {LEASE_TTL:?}); the others restart without it",
             round.number,
             etcd.endpoint()
-        )));
+        ))));
     }
     if let Some(failed) = etcd.get(&round_key(job, "failed", round.number))? {
-        return Ok(Some(String::from_utf8_lossy(&failed.value).into_owned()));
+        let why = String::from_utf8_lossy(&failed.value).into_owned();
+        return Ok(Some(Stop::Failed(why)));
+    }
+    let admit = round_key(job, "admit", round.number);
+    if let Some(entry) = etcd.get(&admit)? {
+        let why = String::from_utf8_lossy(&entry.value).into_owned();
+        return Ok(Some(Stop::Admit(why)));
+    }
+    if round.members.len() < max_nodes {
+        let waiting = waiting_nodes(etcd, job)?;
+        if !waiting.is_empty() {
+            let why = format!(
+                "node(s) {waiting:?} wait to join round {} of {} nodes (up to {max_nodes})",
+                round.number,
+                round.members.len()
+            );
+            etcd.create(&admit, why.as_bytes(), 0)?;
+            return Ok(Some(Stop::Admit(why)));
+        }
     }
     let lost = round.lost(etcd)?;
     if lost.is_empty() {
@@ -432,10 +490,10 @@ fn look(etcd: &Etcd, round: &Round, job: &str) -> Result<Option<String>> {
         .filter(|m| !done.iter().any(|d| d.key[done_prefix.len()..] == ***m))
         .collect();
     Ok((!lost.is_empty()).then(|| {
-        format!(
+        Stop::Failed(format!(
             "node(s) {lost:?} of round {} lost: membership lapsed (no renewal for {LEASE_TTL:?})",
             round.number
-        )
+        ))
     }))
 }
 

@@ -163,12 +163,13 @@ pub fn run(plan: &LaunchPlan, options: &RunOptions) -> Result<()> {
 
 /// One start of the group: [`run`] without restarts; `restart` is this
 /// start's number. `watch`, asked at every look at the ranks, stops them
-/// all when it gives a reason (a rank of another machine failed).
+/// all when it gives a reason (a rank of another machine failed), with the
+/// time they get between SIGTERM and SIGKILL.
 pub(super) fn run_once(
     plan: &LaunchPlan,
     options: &RunOptions,
     restart: usize,
-    watch: &mut dyn FnMut() -> Option<String>,
+    watch: &mut dyn FnMut() -> Option<(String, Duration)>,
 ) -> Result<()> {
     let stdout: Arc<Mutex<dyn Write + Send>> = Arc::new(Mutex::new(std::io::stdout()));
     let stderr: Arc<Mutex<dyn Write + Send>> = Arc::new(Mutex::new(std::io::stderr()));
@@ -245,8 +246,8 @@ pub(super) fn run_once(
             break;
         }
         if failure.is_none() && !running.is_empty() {
-            if let Some(reason) = watch() {
-                stop(&mut running, options.grace);
+            if let Some((reason, grace)) = watch() {
+                stop(&mut running, grace);
                 for p in pumps {
                     let _ = p.join();
                 }

@@ -137,6 +137,20 @@ impl Etcd {
         self.txn("swap", key, cmp, put_body(key, value, lease))
     }
 
+    /// Deletes `key`; whether it existed.
+    ///
+    /// # Errors
+    /// [`Error::Etcd`].
+    pub fn delete(&self, key: &str) -> Result<bool> {
+        let reply = self.call(
+            "delete",
+            key,
+            "kv/deleterange",
+            json!({ "key": B64.encode(key) }),
+        )?;
+        Ok(int(&reply["deleted"]).unwrap_or(0) > 0)
+    }
+
     /// Deletes every key that starts with `prefix`; how many there were.
     ///
     /// # Errors

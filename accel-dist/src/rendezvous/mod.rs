@@ -55,6 +55,6 @@ mod store;
 pub use auth::new_token;
 pub use client::TcpStore;
 pub use etcd::{Entry as EtcdEntry, Etcd};
-pub use rounds::{join as join_round, Round, RoundSpec};
+pub use rounds::{join as join_round, waiting as waiting_nodes, Round, RoundSpec};
 pub(crate) use store::OWNED_PREFIX;
 pub use store::{StoreLimits, StoreServer};

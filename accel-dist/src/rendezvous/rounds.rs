@@ -11,7 +11,10 @@
 //! round `k` asks for a round after `k` (a restart): the first one to ask
 //! opens round `k + 1`. A member whose alive key is gone (its lease lapsed:
 //! the machine died) is dropped from an open round, and named by
-//! [`Round::lost`] while the round runs.
+//! [`Round::lost`] while the round runs. A node that arrives while a round
+//! runs waits for the next, and puts `accel/<job>/waiting/<node>` under its
+//! lease meanwhile ([`waiting`]), so that the running round's launchers can
+//! restart it to admit the node (torchrun's scale-up).
 
 use std::time::{Duration, Instant};
 
@@ -72,6 +75,24 @@ fn alive_key(job: &str, round: u64, node: &str) -> String {
     format!("accel/{job}/alive/{round}/{node}")
 }
 
+fn waiting_prefix(job: &str) -> String {
+    format!("accel/{job}/waiting/")
+}
+
+/// The nodes waiting to join `job` while a round runs without them (their
+/// keys live under their leases: a waiting node that died drops out).
+///
+/// # Errors
+/// [`Error::Etcd`].
+pub fn waiting(etcd: &Etcd, job: &str) -> Result<Vec<String>> {
+    let prefix = waiting_prefix(job);
+    Ok(etcd
+        .get_prefix(&prefix)?
+        .into_iter()
+        .map(|e| e.key[prefix.len()..].to_string())
+        .collect())
+}
+
 /// Joins a round of `spec.job`: the open one, or after round `after` (the
 /// one this node ran last) a newer one. Returns once the round has closed
 /// with this node in it.
@@ -93,6 +114,7 @@ pub fn join(etcd: &Etcd, spec: &RoundSpec, after: Option<u64>) -> Result<Round> 
     let lease = etcd.grant(spec.lease_ttl)?;
     let started = Instant::now();
     let mut min_since: Option<(u64, Instant)> = None;
+    let mut waiting_said = false;
     let mut last_seen = None;
     loop {
         if started.elapsed() > spec.timeout {
@@ -160,12 +182,22 @@ pub fn join(etcd: &Etcd, spec: &RoundSpec, after: Option<u64>) -> Result<Round> 
                 })?;
                 continue;
             }
-            // A round runs without this node: wait for the next one.
+            // A round runs without this node: wait for the next one, and
+            // say so (the running round's launchers may restart to admit it).
+            if !waiting_said {
+                let key = format!("{}{}", waiting_prefix(&spec.job), spec.node);
+                etcd.put(&key, b"", lease)?;
+                waiting_said = true;
+            }
             std::thread::sleep(POLL);
             continue;
         }
         let Some(_) = me else {
             if state.members.len() < spec.max_nodes {
+                if waiting_said {
+                    etcd.delete(&format!("{}{}", waiting_prefix(&spec.job), spec.node))?;
+                    waiting_said = false;
+                }
                 etcd.put(&alive_key(&spec.job, state.round, &spec.node), b"", lease)?;
                 let mut next = state.clone();
                 next.members.push(spec.node.clone());
