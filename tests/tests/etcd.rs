@@ -368,3 +368,41 @@ fn a_round_takes_min_nodes_after_the_last_call_and_goes_on_without_etcd() {
         "{err}"
     );
 }
+
+#[test]
+fn a_machine_arriving_mid_round_is_admitted_by_a_restart_that_does_not_count() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(server) = Server::start(tmp.path()) else {
+        return;
+    };
+    let log = tmp.path().join("starts");
+    // Round 0 would run a minute; round 1 ends at once. No restarts allowed:
+    // admitting the third machine is not one.
+    let script = rank_script(
+        &log,
+        "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then sleep 60; fi",
+    );
+    let ep = (server.endpoint.as_str(), "job-e");
+    let mut children: Vec<_> = (0..2)
+        .map(|k| launcher(tmp.path(), ep, (k, "2:3"), &[], &script))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while logged(&log).len() < 4 {
+        assert!(Instant::now() < deadline, "no round: {:?}", logged(&log));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let started = Instant::now();
+    children.push(launcher(tmp.path(), ep, (2, "2:3"), &[], &script));
+    assert_eq!(wait_ok(children, tmp.path()), [true, true, true]);
+    assert!(
+        started.elapsed() < Duration::from_secs(40),
+        "{:?}",
+        started.elapsed()
+    );
+    let mut want: Vec<String> = (0..4).map(|r| format!("{r} 4 0")).collect();
+    want.extend((0..6).map(|r| format!("{r} 6 1")));
+    want.sort();
+    assert_eq!(logged(&log), want);
+    let err0 = std::fs::read_to_string(tmp.path().join("launch0.err")).unwrap();
+    assert!(err0.contains("not counted as a restart"), "{err0}");
+}
