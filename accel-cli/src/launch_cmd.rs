@@ -100,6 +100,12 @@ pub struct LaunchArgs {
     /// Seconds one rendezvous may take, etcd unreachable included [default: 900].
     #[arg(long = "rdzv_timeout", visible_alias = "rdzv-timeout")]
     pub rdzv_timeout: Option<f64>,
+    /// torchrun's rendezvous settings, `KEY=VALUE,...`: `timeout` or
+    /// `join_timeout` (as `--rdzv_timeout`), `last_call_timeout` (as
+    /// `--rdzv_last_call`), `keep_alive_interval` and `keep_alive_max_attempt`
+    /// (a membership lapses after their product); the flags win.
+    #[arg(long = "rdzv_conf", visible_alias = "rdzv-conf")]
+    pub rdzv_conf: Option<String>,
     /// The address other machines reach this one at with etcd [default: the
     /// one this machine reaches etcd from].
     #[arg(long = "local_addr", visible_alias = "local-addr")]

@@ -36,6 +36,58 @@ pub(crate) fn nnodes(value: &str) -> Result<(usize, usize)> {
     Ok((min, max))
 }
 
+/// torchrun's `--rdzv_conf` keys that act here.
+#[derive(Debug, Default, PartialEq)]
+struct RdzvConf {
+    timeout: Option<f64>,
+    last_call: Option<f64>,
+    keep_alive_interval: Option<f64>,
+    keep_alive_max_attempt: Option<f64>,
+}
+
+/// `KEY=VALUE,...` as torchrun reads `--rdzv-conf`. Keys torchrun's etcd
+/// and dynamic rendezvous take that change nothing here are said at start;
+/// TLS to etcd and anything else are named errors.
+fn rdzv_conf(text: &str) -> Result<RdzvConf> {
+    let bad = |reason: String| Error::Config {
+        key: "rdzv_conf".into(),
+        reason,
+    };
+    let mut conf = RdzvConf::default();
+    for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (key, value) = item
+            .split_once('=')
+            .ok_or_else(|| bad(format!("{item:?} is not KEY=VALUE")))?;
+        let number = || {
+            value
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|v| v.is_finite() && *v > 0.0)
+                .ok_or_else(|| bad(format!("{key}={value:?} is not a positive number")))
+        };
+        match key.trim() {
+            "timeout" | "join_timeout" => conf.timeout = Some(number()?),
+            "last_call_timeout" => conf.last_call = Some(number()?),
+            "keep_alive_interval" => conf.keep_alive_interval = Some(number()?),
+            "keep_alive_max_attempt" => conf.keep_alive_max_attempt = Some(number()?),
+            k @ ("read_timeout" | "close_timeout" | "heartbeat" | "is_host" | "store_type") => {
+                eprintln!(
+                    "accel launch: rdzv_conf {k} has no effect with accel-rs' etcd rendezvous"
+                )
+            }
+            k @ ("protocol" | "cacert" | "cert" | "key" | "ssl_cert" | "ssl_key") => {
+                return Err(bad(format!(
+                    "{k}: TLS to etcd is not built; reach etcd over plain HTTP inside the \
+                     cluster's network"
+                )))
+            }
+            k => return Err(bad(format!("unknown key {k:?}"))),
+        }
+    }
+    Ok(conf)
+}
+
 fn seconds(key: &str, value: Option<f64>, default: f64) -> Result<Duration> {
     let s = value.unwrap_or(default);
     if !(s.is_finite() && s >= 0.0) {
@@ -95,6 +147,7 @@ pub(crate) fn elastic(
             ("rdzv_id", args.rdzv_id.is_some()),
             ("rdzv_last_call", args.rdzv_last_call.is_some()),
             ("rdzv_timeout", args.rdzv_timeout.is_some()),
+            ("rdzv_conf", args.rdzv_conf.is_some()),
             ("local_addr", args.local_addr.is_some()),
         ];
         if let Some((flag, _)) = flags.iter().find(|(_, given)| *given) {
@@ -152,16 +205,28 @@ pub(crate) fn elastic(
         }
     };
     let machine_rank = args.machine_rank.or(file.map(|f| f.machine_rank));
+    let conf = args.rdzv_conf.as_deref().map(rdzv_conf).transpose()?;
+    let conf = conf.unwrap_or_default();
+    let lease_ttl = match (conf.keep_alive_interval, conf.keep_alive_max_attempt) {
+        (None, None) => accel_core::dist::launch::DEFAULT_LEASE_TTL,
+        // torchrun's dynamic rendezvous defaults: 5 s, 3 attempts.
+        (i, n) => Duration::from_secs_f64(i.unwrap_or(5.0) * n.unwrap_or(3.0)),
+    };
     Ok(Some(Elastic {
         endpoint,
         job: args.rdzv_id.clone().unwrap_or_else(|| "none".into()),
         min_nodes: min,
         max_nodes: max,
         procs_per_node: config.num_processes / max,
-        last_call: seconds("rdzv_last_call", args.rdzv_last_call, 30.0)?,
-        timeout: seconds("rdzv_timeout", args.rdzv_timeout, 900.0)?,
+        last_call: seconds(
+            "rdzv_last_call",
+            args.rdzv_last_call.or(conf.last_call),
+            30.0,
+        )?,
+        timeout: seconds("rdzv_timeout", args.rdzv_timeout.or(conf.timeout), 900.0)?,
         local_addr: args.local_addr.clone(),
         machine_rank,
+        lease_ttl,
     }))
 }
 
@@ -230,6 +295,7 @@ mod tests {
         assert_eq!(e.machine_rank, Some(1));
         assert_eq!(e.last_call, Duration::from_secs(2));
         assert_eq!(e.timeout, Duration::from_secs(900));
+        assert_eq!(e.lease_ttl, Duration::from_secs(10));
         // Accelerate's endpoint: the main process's address and port.
         let e = resolve(&[
             "--num_processes",
@@ -254,6 +320,55 @@ mod tests {
             ),
             ("10.0.0.1:2379", "none", 2, 2)
         );
+    }
+
+    #[test]
+    fn rdzv_conf_takes_torchruns_keys_and_the_flags_win() {
+        let base = [
+            "--num_processes",
+            "2",
+            "--rdzv_backend",
+            "etcd",
+            "--rdzv_endpoint",
+            "h:1",
+            "--rdzv_conf",
+        ];
+        let with = |conf: &str, more: &[&str]| {
+            let mut flags = base.to_vec();
+            flags.push(conf);
+            flags.extend_from_slice(more);
+            resolve(&flags)
+        };
+        let e = with(
+            "join_timeout=60, last_call_timeout=5,keep_alive_interval=2,read_timeout=9",
+            &[],
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (e.timeout, e.last_call, e.lease_ttl),
+            (
+                Duration::from_secs(60),
+                Duration::from_secs(5),
+                Duration::from_secs(6)
+            )
+        );
+        let e = with("timeout=60", &["--rdzv_timeout", "7"])
+            .unwrap()
+            .unwrap();
+        assert_eq!(e.timeout, Duration::from_secs(7));
+        for (conf, said) in [
+            ("cacert=/x.pem", "TLS"),
+            ("flavour=1", "unknown key"),
+            ("timeout", "KEY=VALUE"),
+            ("timeout=-1", "positive"),
+        ] {
+            let err = with(conf, &[]).unwrap_err().to_string();
+            assert!(
+                err.contains("rdzv_conf") && err.contains(said),
+                "{conf}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -57,13 +57,18 @@ pub struct Elastic {
     /// Leads this node's name, so that node ranks follow it
     /// (`--machine_rank`).
     pub machine_rank: Option<usize>,
+    /// A membership expires this long after the node's last renewal
+    /// (torchrun's etcd rendezvous keeps workers alive on a 10 s TTL too;
+    /// `--rdzv_conf keep_alive_interval=S,keep_alive_max_attempt=N` gives
+    /// `S * N`).
+    pub lease_ttl: Duration,
 }
+
+/// [`Elastic::lease_ttl`]'s default.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
 
 /// How long an etcd call may take before the launcher moves on.
 const CALL_TIMEOUT: Duration = Duration::from_secs(3);
-/// A membership expires this long after the node's last renewal (torchrun's
-/// etcd rendezvous keeps workers alive on a 10 s TTL too).
-const LEASE_TTL: Duration = Duration::from_secs(10);
 /// Between two looks of the watcher at etcd.
 const WATCH_EVERY: Duration = Duration::from_millis(500);
 
@@ -75,8 +80,9 @@ fn round_key(job: &str, what: &str, round: u64) -> String {
     format!("accel/{job}/{what}/{round}")
 }
 
-/// Runs the job elastically: rounds until one ends well, at most
-/// `options.max_restarts` after the first.
+/// Runs the job elastically: rounds until one ends well, after at most
+/// `options.max_restarts` failed ones (rounds restarted to admit waiting
+/// nodes do not count).
 ///
 /// # Errors
 /// [`Error::Env`] without a job token; [`Error::Etcd`] when etcd stays
@@ -110,7 +116,7 @@ pub fn run_elastic(config: &LaunchConfig, elastic: &Elastic, options: &RunOption
         max_nodes: elastic.max_nodes,
         last_call: elastic.last_call,
         timeout: elastic.timeout,
-        lease_ttl: LEASE_TTL,
+        lease_ttl: elastic.lease_ttl,
     };
     let mut after = None;
     let mut world_before = None;
@@ -231,6 +237,8 @@ fn run_round(
     for p in &mut plan.processes {
         p.env
             .push((ENV_USE_AGENT_STORE.to_string(), "1".to_string()));
+        p.env
+            .push(("TORCHELASTIC_RUN_ID".to_string(), elastic.job.clone()));
     }
     let watcher = Watcher::start(etcd.clone(), round.clone(), elastic);
     let outcome = run_once(&plan, options, round.number as usize, &mut || {
@@ -405,11 +413,11 @@ impl Watcher {
         let reason = Arc::new(Mutex::new(None));
         let done = Arc::new(AtomicBool::new(false));
         let (r, d) = (reason.clone(), done.clone());
-        let (job, max_nodes) = (elastic.job.clone(), elastic.max_nodes);
+        let (job, max_nodes, ttl) = (elastic.job.clone(), elastic.max_nodes, elastic.lease_ttl);
         let thread = std::thread::spawn(move || {
             let mut etcd_lost = false;
             while !d.load(Ordering::SeqCst) {
-                match look(&etcd, &round, (&job, max_nodes)) {
+                match look(&etcd, &round, (&job, max_nodes, ttl)) {
                     Ok(None) => etcd_lost = false,
                     Ok(Some(why)) => {
                         *r.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
@@ -449,11 +457,15 @@ impl Watcher {
 /// One look: renew the lease; a reason to stop when another node failed,
 /// a member's membership lapsed (one that ended well is not lost), or nodes
 /// wait to join a round that has room for them.
-fn look(etcd: &Etcd, round: &Round, (job, max_nodes): (&str, usize)) -> Result<Option<Stop>> {
+fn look(
+    etcd: &Etcd,
+    round: &Round,
+    (job, max_nodes, ttl): (&str, usize, Duration),
+) -> Result<Option<Stop>> {
     if etcd.renew(round.lease())?.is_none() {
         return Ok(Some(Stop::Failed(format!(
             "this node's membership of round {} lapsed (etcd at {} did not hear from it for \
-             {LEASE_TTL:?}); the others restart without it",
+             {ttl:?}); the others restart without it",
             round.number,
             etcd.endpoint()
         ))));
@@ -491,7 +503,7 @@ fn look(etcd: &Etcd, round: &Round, (job, max_nodes): (&str, usize)) -> Result<O
         .collect();
     Ok((!lost.is_empty()).then(|| {
         Stop::Failed(format!(
-            "node(s) {lost:?} of round {} lost: membership lapsed (no renewal for {LEASE_TTL:?})",
+            "node(s) {lost:?} of round {} lost: membership lapsed (no renewal for {ttl:?})",
             round.number
         ))
     }))
@@ -513,6 +525,7 @@ mod tests {
             timeout: Duration::ZERO,
             local_addr: local.map(String::from),
             machine_rank: None,
+            lease_ttl: DEFAULT_LEASE_TTL,
         };
         let loopback: IpAddr = [127, 0, 0, 1].into();
         assert_eq!(local_ip(&e("127.0.0.1:2379", None)).unwrap(), loopback);

@@ -9,6 +9,6 @@ mod elastic;
 mod plan;
 mod spawn;
 
-pub use elastic::{run_elastic, Elastic};
+pub use elastic::{run_elastic, Elastic, DEFAULT_LEASE_TTL};
 pub use plan::{plan, LaunchConfig, LaunchPlan, RankProcess};
 pub use spawn::{run, RunOptions, ENV_MAX_RESTARTS, ENV_RESTART_COUNT};

@@ -174,6 +174,8 @@ pub fn plan(config: &LaunchConfig) -> Result<LaunchPlan> {
                 (ENV_LOCAL_RANK.to_string(), local_rank.to_string()),
                 (ENV_WORLD_SIZE.to_string(), c.num_processes.to_string()),
                 (ENV_LOCAL_WORLD_SIZE.to_string(), per_machine.to_string()),
+                // torchrun's node rank.
+                ("GROUP_RANK".to_string(), c.machine_rank.to_string()),
                 (ENV_MASTER_ADDR.to_string(), addr.clone()),
                 (ENV_MASTER_PORT.to_string(), port.to_string()),
                 (ENV_JOB_TOKEN.to_string(), token.clone()),
@@ -250,6 +252,7 @@ mod tests {
         assert_eq!(get(&p.processes[1], "LOCAL_RANK"), "1");
         assert_eq!(get(&p.processes[0], "MASTER_PORT"), "29500");
         assert_eq!(get(&p.processes[0], "LOCAL_WORLD_SIZE"), "2");
+        assert_eq!(get(&p.processes[1], "GROUP_RANK"), "1");
     }
 
     #[test]
