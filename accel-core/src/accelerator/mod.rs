@@ -11,6 +11,7 @@ mod graph;
 mod lora;
 mod ops;
 mod preemption;
+mod restart;
 mod seeding;
 mod sharded;
 mod step;
