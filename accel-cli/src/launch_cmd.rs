@@ -340,22 +340,26 @@ fn run_options(args: &LaunchArgs, file: Option<&ClusterConfig>) -> Result<RunOpt
     Ok(options)
 }
 
+/// `accel launch FLAGS prog` as parsed, for the tests of this and the
+/// rendezvous module.
+#[cfg(test)]
+pub(crate) fn test_args(flags: &[&str]) -> LaunchArgs {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        a: LaunchArgs,
+    }
+    let mut argv = vec!["accel"];
+    argv.extend_from_slice(flags);
+    argv.push("prog");
+    Wrap::parse_from(argv).a
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_args as args;
     use super::*;
-
-    fn args(flags: &[&str]) -> LaunchArgs {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Wrap {
-            #[command(flatten)]
-            a: LaunchArgs,
-        }
-        let mut argv = vec!["accel"];
-        argv.extend_from_slice(flags);
-        argv.push("prog");
-        Wrap::parse_from(argv).a
-    }
 
     fn file() -> ClusterConfig {
         ClusterConfig {

@@ -233,19 +233,7 @@ pub(crate) fn elastic(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn args(flags: &[&str]) -> LaunchArgs {
-        use clap::Parser;
-        #[derive(Parser)]
-        struct Wrap {
-            #[command(flatten)]
-            a: LaunchArgs,
-        }
-        let mut argv = vec!["accel"];
-        argv.extend_from_slice(flags);
-        argv.push("prog");
-        Wrap::parse_from(argv).a
-    }
+    use crate::launch_cmd::test_args as args;
 
     fn resolve(flags: &[&str]) -> Result<Option<Elastic>> {
         let a = args(flags);
