@@ -179,6 +179,14 @@ fn launchers_agree_on_rounds_restarts_and_lost_nodes() {
     });
     assert_eq!(one_round(&again, &abc), 2);
 
+    // The whole job dies (every lease gone): a launcher of a new start with
+    // the same id is not left waiting for a round nobody runs.
+    for r in &again {
+        r.clone().leave(&etcd).unwrap();
+    }
+    let fresh = join_all(ep, &[("d", None)], |n| spec(n, (1, 1), second, minute));
+    assert_eq!(one_round(&fresh, &["d"]), 3);
+
     // Settings that cannot work, and a round that never fills, are named.
     let bad = join_round(&etcd, &spec("d", (3, 2), second, second), None).unwrap_err();
     assert!(bad.to_string().contains("3:2 nodes"), "{bad}");
