@@ -325,6 +325,27 @@ fn a_rank_failing_on_one_machine_restarts_every_machine_through_etcd() {
         err1.contains("rank 0 on node m00000") && err1.contains("restarts are spent"),
         "{err1}"
     );
+
+    // Machine 1's ranks finish the job while a rank of machine 0 fails: no
+    // round can start again, and machine 0 says so at once instead of
+    // waiting --rdzv_timeout for a partner.
+    let _ = std::fs::remove_file(&log);
+    let late = rank_script(&log, "test $RANK != 0 || { sleep 2; exit 5; }");
+    let started = Instant::now();
+    let children = (0..2)
+        .map(|k| {
+            let ep = (server.endpoint.as_str(), "job-f");
+            launcher(tmp.path(), ep, (k, "2"), &["--max_restarts", "1"], &late)
+        })
+        .collect();
+    assert_eq!(wait_ok(children, tmp.path()), [false, true]);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    let err0 = std::fs::read_to_string(tmp.path().join("launch0.err")).unwrap();
+    assert!(err0.contains("had finished the job"), "{err0}");
 }
 
 #[test]

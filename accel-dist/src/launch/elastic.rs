@@ -180,7 +180,18 @@ pub fn run_elastic(config: &LaunchConfig, elastic: &Elastic, options: &RunOption
             }
         }
         let number = round.number;
+        let done = format!("{}/", round_key(&elastic.job, "done", number));
+        let ended = etcd.get_prefix(&done).map(|d| d.len()).unwrap_or(0);
         let _ = round.leave(&etcd);
+        if ended > 0 {
+            // Another node's ranks finished the job: no round would start
+            // again, and waiting for one would last until --rdzv_timeout.
+            return Err(Error::Stopped {
+                reason: format!(
+                    "round {number} failed here after {ended} node(s) had finished the job"
+                ),
+            });
+        }
         if interrupted() {
             return Err(Error::Interrupted {
                 world: elastic.procs_per_node,
