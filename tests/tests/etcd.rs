@@ -248,6 +248,20 @@ fn wait_ok(children: Vec<std::process::Child>, dir: &std::path::Path) -> Vec<boo
         .collect()
 }
 
+/// Two machines of job `job` running `script` with `extra` launch flags,
+/// waited for: whether each ended well.
+fn two_machines(
+    dir: &std::path::Path,
+    (endpoint, job): (&str, &str),
+    extra: &[&str],
+    script: &str,
+) -> Vec<bool> {
+    let children = (0..2)
+        .map(|k| launcher(dir, (endpoint, job), (k, "2"), extra, script))
+        .collect();
+    wait_ok(children, dir)
+}
+
 /// Every rank logs `RANK WORLD_SIZE RESTART` and checks that the round's
 /// store answers at `MASTER_ADDR:MASTER_PORT`; then `rest` runs.
 fn rank_script(log: &std::path::Path, rest: &str) -> String {
@@ -283,13 +297,11 @@ fn a_rank_failing_on_one_machine_restarts_every_machine_through_etcd() {
            if [ $RANK = 3 ]; then exit 3; else sleep 60; fi; fi",
     );
     let started = Instant::now();
-    let children = (0..2)
-        .map(|k| {
-            let ep = (server.endpoint.as_str(), "job-a");
-            launcher(tmp.path(), ep, (k, "2"), &["--max_restarts", "1"], &script)
-        })
-        .collect();
-    assert_eq!(wait_ok(children, tmp.path()), [true, true]);
+    let ep = (server.endpoint.as_str(), "job-a");
+    assert_eq!(
+        two_machines(tmp.path(), ep, &["--max_restarts", "1"], &script),
+        [true, true]
+    );
     assert!(
         started.elapsed() < Duration::from_secs(40),
         "machine 0's ranks were not stopped: {:?}",
@@ -313,13 +325,8 @@ fn a_rank_failing_on_one_machine_restarts_every_machine_through_etcd() {
     // With the restarts spent, the failure ends the job on every machine.
     let _ = std::fs::remove_file(&log);
     let fail = rank_script(&log, "if [ $RANK = 0 ]; then exit 5; else sleep 60; fi");
-    let children = (0..2)
-        .map(|k| {
-            let ep = (server.endpoint.as_str(), "job-b");
-            launcher(tmp.path(), ep, (k, "2"), &[], &fail)
-        })
-        .collect();
-    assert_eq!(wait_ok(children, tmp.path()), [false, false]);
+    let ep = (server.endpoint.as_str(), "job-b");
+    assert_eq!(two_machines(tmp.path(), ep, &[], &fail), [false, false]);
     let err1 = std::fs::read_to_string(tmp.path().join("launch1.err")).unwrap();
     assert!(
         err1.contains("rank 0 on node m00000") && err1.contains("restarts are spent"),
@@ -332,13 +339,11 @@ fn a_rank_failing_on_one_machine_restarts_every_machine_through_etcd() {
     let _ = std::fs::remove_file(&log);
     let late = rank_script(&log, "test $RANK != 0 || { sleep 2; exit 5; }");
     let started = Instant::now();
-    let children = (0..2)
-        .map(|k| {
-            let ep = (server.endpoint.as_str(), "job-f");
-            launcher(tmp.path(), ep, (k, "2"), &["--max_restarts", "1"], &late)
-        })
-        .collect();
-    assert_eq!(wait_ok(children, tmp.path()), [false, true]);
+    let ep = (server.endpoint.as_str(), "job-f");
+    assert_eq!(
+        two_machines(tmp.path(), ep, &["--max_restarts", "1"], &late),
+        [false, true]
+    );
     assert!(
         started.elapsed() < Duration::from_secs(20),
         "{:?}",
