@@ -24,6 +24,10 @@ pub struct LaunchArgs {
     /// Processes in the whole job, over all machines [default: 1].
     #[arg(long = "num_processes", visible_alias = "num-processes")]
     pub num_processes: Option<usize>,
+    /// Processes on each machine, torchrun's way of counting them (the job
+    /// then has this many per machine, times the machines or `--nnodes`' MAX).
+    #[arg(long = "nproc_per_node", visible_alias = "nproc-per-node")]
+    pub nproc_per_node: Option<usize>,
     /// Machines taking part [default: 1].
     #[arg(long = "num_machines", visible_alias = "num-machines")]
     pub num_machines: Option<usize>,
@@ -135,8 +139,21 @@ impl LaunchArgs {
     /// [`Error::Config`] for an unknown precision, a `distributed_type` accel-rs
     /// does not run, or a file that leaves `num_processes` at -1.
     pub fn to_config(&self, file: Option<&ClusterConfig>) -> Result<LaunchConfig> {
+        let nnodes_max = self
+            .nnodes
+            .as_deref()
+            .map(crate::launch_rdzv::nnodes)
+            .transpose()?
+            .map(|(_, max)| max);
+        let num_machines = self
+            .num_machines
+            .or(nnodes_max)
+            .or(file.map(|f| f.num_machines))
+            .unwrap_or(1);
         let num_processes = match (self.num_processes, file.and_then(|f| f.num_processes)) {
             (Some(n), _) => n,
+            // torchrun's way: ranks per machine (below).
+            (None, _) if self.nproc_per_node.is_some() => 0,
             (None, Some(n)) if n < 1 => {
                 return Err(Error::Config {
                     key: "num_processes".into(),
@@ -146,19 +163,28 @@ impl LaunchArgs {
             (None, Some(n)) => n as usize,
             (None, None) => 1,
         };
+        let num_processes = match self.nproc_per_node {
+            None => num_processes,
+            Some(0) => {
+                return Err(Error::Config {
+                    key: "nproc_per_node".into(),
+                    reason: "at least one process per machine".into(),
+                })
+            }
+            Some(per) if self.num_processes.is_some_and(|n| n != per * num_machines) => {
+                return Err(Error::Config {
+                    key: "nproc_per_node".into(),
+                    reason: format!(
+                        "{per} per machine on {num_machines} machine(s) is not --num_processes \
+                         {num_processes}"
+                    ),
+                })
+            }
+            Some(per) => per * num_machines,
+        };
         let mut c = LaunchConfig::local(num_processes, self.command[0].clone());
         c.args = self.command[1..].to_vec();
-        let nnodes_max = self
-            .nnodes
-            .as_deref()
-            .map(crate::launch_rdzv::nnodes)
-            .transpose()?
-            .map(|(_, max)| max);
-        c.num_machines = self
-            .num_machines
-            .or(nnodes_max)
-            .or(file.map(|f| f.num_machines))
-            .unwrap_or(1);
+        c.num_machines = num_machines;
         c.machine_rank = self
             .machine_rank
             .or(file.map(|f| f.machine_rank))
@@ -420,6 +446,30 @@ mod tests {
         assert_eq!(env(&c, ENV_MIXED_PRECISION), Some("fp16"));
         assert_eq!(env(&c, "CUDA_VISIBLE_DEVICES"), None);
         Ok(())
+    }
+
+    #[test]
+    fn nproc_per_node_counts_as_torchrun_does() {
+        let c = args(&["--nproc_per_node", "2", "--nnodes", "3"])
+            .to_config(None)
+            .unwrap();
+        assert_eq!((c.num_processes, c.num_machines), (6, 3));
+        let c = args(&["--nproc-per-node", "4"]).to_config(None).unwrap();
+        assert_eq!((c.num_processes, c.num_machines), (4, 1));
+        for bad in [
+            &["--nproc_per_node", "0"][..],
+            &[
+                "--nproc_per_node",
+                "2",
+                "--num_machines",
+                "2",
+                "--num_processes",
+                "3",
+            ],
+        ] {
+            let err = args(bad).to_config(None).unwrap_err().to_string();
+            assert!(err.contains("nproc_per_node"), "{bad:?}: {err}");
+        }
     }
 
     #[test]
