@@ -284,3 +284,21 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// Waits up to `within` until automatic checkpoint `n` of the run in `out`
+/// exists (`out/checkpoints/checkpoint_{n}`), panicking past it.
+pub fn wait_for_checkpoint(out: &std::path::Path, n: u64, within: std::time::Duration) {
+    let deadline = std::time::Instant::now() + within;
+    let dir = out.join("checkpoints").join(format!("checkpoint_{n}"));
+    while !dir.is_dir() {
+        assert!(std::time::Instant::now() < deadline, "no {}", dir.display());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// The bytes of the final model a run in `out` saved
+/// (`out/model/model.safetensors`).
+pub fn saved_model(out: &std::path::Path) -> Vec<u8> {
+    let path = out.join("model").join("model.safetensors");
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}

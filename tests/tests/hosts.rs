@@ -12,15 +12,17 @@
 //! Skipped, with the reason, where namespaces cannot be made (not root) or
 //! etcd is not installed.
 
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
 use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use accel_tests::etcd::Server;
 use accel_tests::hosts::Hosts;
+use accel_tests::{saved_model, wait_for_checkpoint};
 
+/// How long a test waits for a checkpoint of a run.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(120);
 const WORKER: &str = env!("CARGO_BIN_EXE_finetune_hf_worker");
 const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
 const GPT: &str = env!("CARGO_BIN_EXE_train_gpt_worker");
@@ -188,13 +190,8 @@ fn calm_model() -> &'static [u8] {
             .arg(dir.path());
         let (ok, out, err) = accel_tests::run_program(cmd, None);
         assert!(ok, "{out}\n{err}");
-        model(dir.path())
+        saved_model(dir.path())
     })
-}
-
-fn model(out: &Path) -> Vec<u8> {
-    let path = out.join("model").join("model.safetensors");
-    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// etcd on the switch, where every host reaches it (and a host cut off
@@ -248,16 +245,6 @@ fn elastic_on(
     (cmd.spawn().unwrap(), stdout)
 }
 
-/// Waits until checkpoint `n` of the run in `out` exists.
-fn wait_for_checkpoint(out: &Path, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let dir = out.join("checkpoints").join(format!("checkpoint_{n}"));
-    while !dir.is_dir() {
-        assert!(Instant::now() < deadline, "no {}", dir.display());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 macro_rules! etcd_or_skip {
     ($hosts:expr, $dir:expr) => {
         match etcd_on_switch(&$hosts, $dir) {
@@ -279,7 +266,7 @@ fn a_host_killed_after_the_third_checkpoint_restarts_every_machine_and_ends_bitw
     };
     let first = on(0, "host0");
     let (mut doomed, _) = on(1, "host1");
-    wait_for_checkpoint(&out, 2);
+    wait_for_checkpoint(&out, 2, CHECKPOINT_WAIT);
     // Host 1 dies whole (launcher and ranks), then comes back: a launcher
     // started there again joins the next round.
     hosts.kill_all(1);
@@ -292,7 +279,10 @@ fn a_host_killed_after_the_third_checkpoint_restarts_every_machine_and_ends_bitw
     let (_, out0, err0) = &runs[0];
     assert!(err0.contains("restart 1 of 1"), "{err0}");
     assert!(out0.contains("resumed from"), "{out0}");
-    assert!(model(&out) == calm, "the restarted job's weights differ");
+    assert!(
+        saved_model(&out) == calm,
+        "the restarted job's weights differ"
+    );
 }
 
 #[test]
@@ -314,7 +304,7 @@ fn a_host_cut_off_for_20_s_is_named_within_the_timeout_and_the_restart_ends_bitw
             )
         })
         .collect();
-    wait_for_checkpoint(&out, 1);
+    wait_for_checkpoint(&out, 1, CHECKPOINT_WAIT);
     hosts.link(1, false).unwrap();
     let cut = Instant::now();
     // Host 0's ranks name a rank of host 1 within the timeout (plus the
@@ -336,7 +326,10 @@ fn a_host_cut_off_for_20_s_is_named_within_the_timeout_and_the_restart_ends_bitw
     for (i, (ok, out, err)) in runs.iter().enumerate() {
         assert!(ok, "host {i}: {err}\n{out}");
     }
-    assert!(model(&out) == calm, "the restarted job's weights differ");
+    assert!(
+        saved_model(&out) == calm,
+        "the restarted job's weights differ"
+    );
 }
 
 #[test]
@@ -351,7 +344,7 @@ fn with_nnodes_2_to_3_the_job_goes_on_with_two_hosts_when_one_of_three_dies() {
             elastic_on(&hosts, (i, i, "2:3"), (&etcd, &out), log, &[])
         })
         .collect();
-    wait_for_checkpoint(&out, 1);
+    wait_for_checkpoint(&out, 1, CHECKPOINT_WAIT);
     hosts.kill_all(2);
     let (mut dead, _) = children.pop().unwrap();
     assert!(!dead.wait().unwrap().success());
@@ -366,7 +359,7 @@ fn with_nnodes_2_to_3_the_job_goes_on_with_two_hosts_when_one_of_three_dies() {
         "{err0}"
     );
     assert!(out0.contains("resumed from"), "{out0}");
-    assert!(model(&out).len() > 1000);
+    assert!(saved_model(&out).len() > 1000);
 }
 
 #[test]
@@ -380,7 +373,7 @@ fn with_nnodes_2_to_3_a_host_that_arrives_mid_run_is_admitted_by_a_restart() {
         elastic_on(&hosts, (i, i, "2:3"), (&etcd, &out), log, &[])
     };
     let mut children = vec![on(0), on(1)];
-    wait_for_checkpoint(&out, 1);
+    wait_for_checkpoint(&out, 1, CHECKPOINT_WAIT);
     // Host 2 arrives while round 0 runs with 2 of up to 3 nodes: it waits,
     // the running launchers stop their ranks (which save the step they are
     // at), and all three meet in round 1.

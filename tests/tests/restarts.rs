@@ -8,6 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use accel_tests::{saved_model, wait_for_checkpoint};
+
+/// How long a test waits for a checkpoint of a run.
+const CHECKPOINT_WAIT: Duration = Duration::from_secs(300);
 const LAUNCH: &str = env!("CARGO_BIN_EXE_accel_launch");
 const GPT: &str = env!("CARGO_BIN_EXE_train_gpt_worker");
 
@@ -39,16 +43,6 @@ fn launch_with(
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
-}
-
-/// Waits until checkpoint `n` of the run in `out` exists.
-fn wait_for_checkpoint(out: &Path, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let dir = out.join("checkpoints").join(format!("checkpoint_{n}"));
-    while !dir.is_dir() {
-        assert!(Instant::now() < deadline, "no {}", dir.display());
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 fn finish(child: Child) -> Output {
@@ -102,14 +96,9 @@ fn assert_resumed_bitwise(out: &Output, calm: &Path, hit: &Path) {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("resumed from"), "{stdout}");
     assert!(
-        model(calm) == model(hit),
+        saved_model(calm) == saved_model(hit),
         "the interrupted run's weights differ"
     );
-}
-
-fn model(out: &Path) -> Vec<u8> {
-    let path: PathBuf = out.join("model").join("model.safetensors");
-    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 #[test]
@@ -120,7 +109,7 @@ fn a_rank_killed_mid_run_restarts_the_group_and_the_weights_match_an_uninterrupt
 
     let child = launch(&hit, 1, 10, &[]);
     // Past the checkpoint of step 30, rank 1 is killed (near step 35).
-    wait_for_checkpoint(&hit, 2);
+    wait_for_checkpoint(&hit, 2, CHECKPOINT_WAIT);
     std::thread::sleep(Duration::from_millis(200));
     let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
     signal(pid, "KILL");
@@ -141,7 +130,7 @@ fn sigterm_to_the_launcher_saves_the_step_on_every_rank_and_resume_ends_bitwise(
 
     // A checkpoint at step 25, then SIGTERM to the launcher a few steps on.
     let child = launch(&hit, 0, 25, &[]);
-    wait_for_checkpoint(&hit, 0);
+    wait_for_checkpoint(&hit, 0, CHECKPOINT_WAIT);
     std::thread::sleep(Duration::from_millis(150));
     signal(child.id(), "TERM");
     let out = child.wait_with_output().unwrap();
@@ -175,7 +164,7 @@ fn a_stopped_rank_is_named_by_the_collective_timeout_and_the_group_restarts() {
     // Collectives wait 5 s for a missing rank; rank 1 is frozen (SIGSTOP)
     // past step 30 and never answers again.
     let child = launch_with(&["--timeout", "5"], &hit, 1, 10, &[]);
-    wait_for_checkpoint(&hit, 2);
+    wait_for_checkpoint(&hit, 2, CHECKPOINT_WAIT);
     std::thread::sleep(Duration::from_millis(200));
     let pid = rank_pid(child.id(), 1).expect("rank 1 is running");
     signal(pid, "STOP");
@@ -187,7 +176,7 @@ fn a_stopped_rank_is_named_by_the_collective_timeout_and_the_group_restarts() {
     assert!(log.contains("rank 1 did not arrive within"), "{log}");
     assert!(log.contains("restart 1 of 1"), "{log}");
     assert!(
-        model(&calm) == model(&hit),
+        saved_model(&calm) == saved_model(&hit),
         "the restarted run's weights differ"
     );
     // The timeout plus the grace before SIGKILL, plus the rest of the run.
@@ -203,7 +192,7 @@ fn a_rank_killed_during_a_save_restarts_from_the_last_complete_checkpoint() {
     let child = launch(&hit, 1, 10, &[]);
     // The save of step 30 in progress: its hidden temporary folder exists
     // (`AtomicDir`); rank 1 is killed the moment it is seen.
-    wait_for_checkpoint(&hit, 1);
+    wait_for_checkpoint(&hit, 1, CHECKPOINT_WAIT);
     let ckpts = hit.join("checkpoints");
     let deadline = Instant::now() + Duration::from_secs(300);
     let saving = || {
@@ -306,7 +295,7 @@ fn save_on_each_node_keeps_a_copy_on_every_machine_and_a_resume_reads_its_own() 
         .map(|m| dir.path().join(format!("node{m}/out")))
         .collect();
     for node in &nodes {
-        wait_for_checkpoint(node, 0);
+        wait_for_checkpoint(node, 0, CHECKPOINT_WAIT);
     }
     std::thread::sleep(Duration::from_millis(150));
     for child in &hit {
@@ -350,7 +339,7 @@ fn save_on_each_node_keeps_a_copy_on_every_machine_and_a_resume_reads_its_own() 
     let log = std::fs::read_to_string(dir.path().join("node0/launch.out")).unwrap();
     assert!(log.contains("resumed from"), "{log}");
     assert!(
-        model(&calm) == model(&nodes[0]),
+        saved_model(&calm) == saved_model(&nodes[0]),
         "the resumed run's weights differ"
     );
 }

@@ -80,6 +80,11 @@ fn round_key(job: &str, what: &str, round: u64) -> String {
     format!("accel/{job}/{what}/{round}")
 }
 
+/// Where the nodes that ended `round` well put their keys.
+fn done_prefix(job: &str, round: u64) -> String {
+    format!("{}/", round_key(job, "done", round))
+}
+
 /// Runs the job elastically: rounds until one ends well, after at most
 /// `options.max_restarts` failed ones (rounds restarted to admit waiting
 /// nodes do not count).
@@ -180,7 +185,7 @@ pub fn run_elastic(config: &LaunchConfig, elastic: &Elastic, options: &RunOption
             }
         }
         let number = round.number;
-        let done = format!("{}/", round_key(&elastic.job, "done", number));
+        let done = done_prefix(&elastic.job, number);
         let ended = etcd.get_prefix(&done).map(|d| d.len()).unwrap_or(0);
         let _ = round.leave(&etcd);
         if ended > 0 {
@@ -392,7 +397,7 @@ fn local_ip(elastic: &Elastic) -> Result<IpAddr> {
 /// The end of a round that went well: this node is done; the last node
 /// done deletes the job's keys. Failures here change nothing for the job.
 fn finish(etcd: &Etcd, round: Round, node: &str) {
-    let done = format!("{}/", round_key(round.job(), "done", round.number));
+    let done = done_prefix(round.job(), round.number);
     let _ = etcd.put(&format!("{done}{node}"), b"", 0);
     let members = round.members.len();
     let job = round.job().to_string();
@@ -506,11 +511,11 @@ fn look(
     if lost.is_empty() {
         return Ok(None);
     }
-    let done_prefix = format!("{}/", round_key(job, "done", round.number));
-    let done = etcd.get_prefix(&done_prefix)?;
+    let under = done_prefix(job, round.number);
+    let done = etcd.get_prefix(&under)?;
     let lost: Vec<&String> = lost
         .iter()
-        .filter(|m| !done.iter().any(|d| d.key[done_prefix.len()..] == ***m))
+        .filter(|m| !done.iter().any(|d| d.key[under.len()..] == ***m))
         .collect();
     Ok((!lost.is_empty()).then(|| {
         Stop::Failed(format!(

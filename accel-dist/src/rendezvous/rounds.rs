@@ -79,6 +79,10 @@ fn waiting_prefix(job: &str) -> String {
     format!("accel/{job}/waiting/")
 }
 
+fn waiting_key(job: &str, node: &str) -> String {
+    format!("{}{node}", waiting_prefix(job))
+}
+
 /// The nodes waiting to join `job` while a round runs without them (their
 /// keys live under their leases: a waiting node that died drops out).
 ///
@@ -185,8 +189,7 @@ pub fn join(etcd: &Etcd, spec: &RoundSpec, after: Option<u64>) -> Result<Round> 
             // A round runs without this node: wait for the next one, and
             // say so (the running round's launchers may restart to admit it).
             if !waiting_said {
-                let key = format!("{}{}", waiting_prefix(&spec.job), spec.node);
-                etcd.put(&key, b"", lease)?;
+                etcd.put(&waiting_key(&spec.job, &spec.node), b"", lease)?;
                 waiting_said = true;
             }
             std::thread::sleep(POLL);
@@ -195,7 +198,7 @@ pub fn join(etcd: &Etcd, spec: &RoundSpec, after: Option<u64>) -> Result<Round> 
         let Some(_) = me else {
             if state.members.len() < spec.max_nodes {
                 if waiting_said {
-                    etcd.delete(&format!("{}{}", waiting_prefix(&spec.job), spec.node))?;
+                    etcd.delete(&waiting_key(&spec.job, &spec.node))?;
                     waiting_said = false;
                 }
                 etcd.put(&alive_key(&spec.job, state.round, &spec.node), b"", lease)?;
