@@ -97,6 +97,10 @@ impl CustomOp1 for Pointwise {
         "accel-activation"
     }
 
+    fn backward_reads_output(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = as_f32(s, l)?;
         let y = forward_new(self.0, &x);
@@ -154,6 +158,10 @@ multiversion! {
 impl CustomOp2 for SwiGlu {
     fn name(&self) -> &'static str {
         "accel-swiglu"
+    }
+
+    fn backward_reads_output(&self) -> bool {
+        false
     }
 
     fn cpu_fwd(

@@ -59,10 +59,19 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Act) -> Re
     };
     let x = x.contiguous()?;
     let w = w.contiguous()?;
-    match b {
-        Some(b) => x.apply_op3(&w, &b.contiguous()?, op),
-        None => x.apply_op2(&w, op),
-    }
+    let y = match b {
+        Some(b) => x.apply_op3(&w, &b.contiguous()?, op)?,
+        None => x.apply_op2(&w, op)?,
+    };
+    // Through a frozen weight (and bias) the backward reads only the weight:
+    // the graph keeps `x`'s node, not its values, so a frozen layer's input
+    // is freed once nothing else holds it (docs/design/candle-core-patch.md).
+    let frozen = !w.track_op() && b.is_none_or(|b| !b.track_op());
+    Ok(if frozen {
+        y.release_input_values(&x)
+    } else {
+        y
+    })
 }
 
 impl LinearOp {
@@ -313,6 +322,11 @@ impl CustomOp3 for LinearOp {
         "accel-linear"
     }
 
+    /// ReLU's backward reads its output; no other activation's does.
+    fn backward_reads_output(&self) -> bool {
+        matches!(self.act, Act::Relu)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -340,6 +354,11 @@ impl CustomOp3 for LinearOp {
 impl CustomOp2 for LinearOp {
     fn name(&self) -> &'static str {
         "accel-linear-nobias"
+    }
+
+    /// ReLU's backward reads its output; no other activation's does.
+    fn backward_reads_output(&self) -> bool {
+        matches!(self.act, Act::Relu)
     }
 
     fn cpu_fwd(

@@ -260,6 +260,10 @@ impl CustomOp3 for Norm {
         "accel-layer-norm"
     }
 
+    fn backward_reads_output(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -304,6 +308,10 @@ impl CustomOp2 for Norm {
         } else {
             "accel-layer-norm-nobias"
         }
+    }
+
+    fn backward_reads_output(&self) -> bool {
+        false
     }
 
     fn cpu_fwd(

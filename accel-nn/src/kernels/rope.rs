@@ -92,6 +92,10 @@ impl CustomOp1 for Rope {
         "accel-rope"
     }
 
+    fn backward_reads_output(&self) -> bool {
+        false
+    }
+
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = as_f32(s, l)?;
         let d = l.dims()[3];
@@ -120,6 +124,10 @@ struct RopeCuda {
 impl CustomOp3 for RopeCuda {
     fn name(&self) -> &'static str {
         "accel-rope-cuda"
+    }
+
+    fn backward_reads_output(&self) -> bool {
+        false
     }
 
     fn cpu_fwd(

@@ -9,6 +9,14 @@ pub trait CustomOp1 {
     // Box<dyn> does not support const yet, so use a function to get the name.
     fn name(&self) -> &'static str;
 
+    /// Whether `bwd` reads its `res` argument's values (accel-rs patch): an
+    /// op answering `false` lets `Tensor::release_input_values` free its
+    /// output's buffer before the backward pass when only its graph node is
+    /// needed there.
+    fn backward_reads_output(&self) -> bool {
+        true
+    }
+
     /// The forward pass, as run on a cpu device. Note that the storage can use arbitrary strides,
     /// offsets etc so the associated layout should be used to access it.
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)>;
@@ -43,6 +51,14 @@ pub trait CustomOp1 {
 
 pub trait CustomOp2 {
     fn name(&self) -> &'static str;
+
+    /// Whether `bwd` reads its `res` argument's values (accel-rs patch): an
+    /// op answering `false` lets `Tensor::release_input_values` free its
+    /// output's buffer before the backward pass when only its graph node is
+    /// needed there.
+    fn backward_reads_output(&self) -> bool {
+        true
+    }
 
     /// The forward pass, as run on a cpu device. Note that the storage can use arbitrary strides,
     /// offsets etc so the associated layout should be used to access it.
@@ -95,6 +111,14 @@ pub trait CustomOp2 {
 
 pub trait CustomOp3 {
     fn name(&self) -> &'static str;
+
+    /// Whether `bwd` reads its `res` argument's values (accel-rs patch): an
+    /// op answering `false` lets `Tensor::release_input_values` free its
+    /// output's buffer before the backward pass when only its graph node is
+    /// needed there.
+    fn backward_reads_output(&self) -> bool {
+        true
+    }
 
     /// The forward pass, as run on a cpu device. Note that the storage can use arbitrary strides,
     /// offsets etc so the associated layout should be used to access it.

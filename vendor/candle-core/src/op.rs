@@ -1142,6 +1142,11 @@ impl BackpropOp {
     pub(crate) fn is_none(&self) -> bool {
         self.0.is_none()
     }
+
+    /// A recorded op (accel-rs patch, see `Tensor::release_input_values`).
+    pub(crate) fn from_op(op: Op) -> Self {
+        Self(Some(op))
+    }
 }
 
 impl std::ops::Deref for BackpropOp {

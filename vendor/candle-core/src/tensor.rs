@@ -2118,6 +2118,76 @@ impl Tensor {
         &self.op
     }
 
+    /// `self`, the result of a custom op, recording `input`'s node in its
+    /// graph without `input`'s values (accel-rs patch,
+    /// docs/design/candle-core-patch.md), for an op whose backward does not
+    /// read `input`: the gradient of `x` through a frozen weight needs the
+    /// weight, not `x`. `input`'s buffer is then freed as soon as nothing else
+    /// holds it, instead of living until the backward pass.
+    ///
+    /// The node left in the graph keeps `input`'s id, op, shape and dtype over
+    /// an empty storage, so gradients reach `input`'s producers as before.
+    /// Views of `input` and casts in front of it are released the same way.
+    /// Nothing changes (`self` is returned as it is) unless every node
+    /// released was made by an op whose backward never reads that node's own
+    /// values (views, casts, custom ops whose `backward_reads_output` is
+    /// false; the backward may hand the node to its op as `res`), and none is
+    /// a variable; CPU tensors only.
+    pub fn release_input_values(&self, input: &Tensor) -> Tensor {
+        let swap = |t: &Tensor| match t.id() == input.id() {
+            true => t.values_released().unwrap_or_else(|| t.clone()),
+            false => t.clone(),
+        };
+        let op = match self.op.as_ref() {
+            Some(Op::CustomOp1(a, c)) => Op::CustomOp1(swap(a), c.clone()),
+            Some(Op::CustomOp2(a, b, c)) => Op::CustomOp2(swap(a), swap(b), c.clone()),
+            Some(Op::CustomOp3(a, b, c, o)) => Op::CustomOp3(swap(a), swap(b), swap(c), o.clone()),
+            _ => return self.clone(),
+        };
+        Tensor(Arc::new(Tensor_ {
+            id: self.id,
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            op: BackpropOp::from_op(op),
+            is_variable: self.is_variable,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        }))
+    }
+
+    /// This node over an empty storage, its view and cast arguments released
+    /// too (see [`Tensor::release_input_values`]); `None` where its own
+    /// backward could read its values.
+    fn values_released(&self) -> Option<Tensor> {
+        if self.is_variable || !self.device.is_cpu() {
+            return None;
+        }
+        let inner = |t: &Tensor| t.values_released().unwrap_or_else(|| t.clone());
+        let op = match self.op.as_ref()? {
+            Op::Reshape(a) => Op::Reshape(inner(a)),
+            Op::Copy(a) => Op::Copy(inner(a)),
+            Op::ToDType(a) => Op::ToDType(inner(a)),
+            Op::Broadcast(a) => Op::Broadcast(inner(a)),
+            Op::Transpose(a, d1, d2) => Op::Transpose(inner(a), *d1, *d2),
+            Op::Permute(a, dims) => Op::Permute(inner(a), dims.clone()),
+            Op::Narrow(a, dim, start, len) => Op::Narrow(inner(a), *dim, *start, *len),
+            op @ Op::CustomOp1(_, c) if !c.backward_reads_output() => op.clone(),
+            op @ Op::CustomOp2(_, _, c) if !c.backward_reads_output() => op.clone(),
+            op @ Op::CustomOp3(_, _, _, c) if !c.backward_reads_output() => op.clone(),
+            _ => return None,
+        };
+        let storage = self.device.zeros(&Shape::from(0usize), self.dtype).ok()?;
+        Some(Tensor(Arc::new(Tensor_ {
+            id: self.id,
+            storage: Arc::new(RwLock::new(storage)),
+            layout: self.layout.clone(),
+            op: BackpropOp::from_op(op),
+            is_variable: false,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        })))
+    }
+
     /// Computes the max of all the elements in this tensor and returns a tensor holding this
     /// scalar with zero dimensions.
     ///

@@ -251,7 +251,11 @@ impl QuantTensors {
 /// CPU computed in f32 (or bf16 products), on CUDA by `quant.cu`'s tiles
 /// and cuBLAS in `x`'s dtype.
 pub(crate) fn quantized_linear(x: &Tensor, w: &Arc<QuantTensors>) -> Result<Tensor> {
-    x.contiguous()?.apply_op1(QuantLinearOp { w: w.clone() })
+    let x = x.contiguous()?;
+    // The input's gradient reads only the frozen weight: the graph keeps
+    // `x`'s node, not its values (docs/design/candle-core-patch.md).
+    Ok(x.apply_op1(QuantLinearOp { w: w.clone() })?
+        .release_input_values(&x))
 }
 
 struct QuantLinearOp {
@@ -261,6 +265,10 @@ struct QuantLinearOp {
 impl CustomOp1 for QuantLinearOp {
     fn name(&self) -> &'static str {
         "accel-quantized-linear"
+    }
+
+    fn backward_reads_output(&self) -> bool {
+        false
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
