@@ -16,6 +16,7 @@
 //! write disjoint buffers. The same tiling (and test harness) serves the CUDA
 //! kernel: one algorithm on both backends.
 
+use std::ops::Range;
 use std::sync::Mutex;
 
 use candle_core::Result;
@@ -29,6 +30,9 @@ use super::raw::{gemm, huge_vec, huge_zeroed, par, MatRef};
 pub(crate) const BR: usize = 128;
 /// Keys per tile.
 pub(crate) const BC: usize = 128;
+/// Query rows per group in a tile the mask cuts through (the diagonal's, a
+/// window's first): each group's products run over the keys it sees only.
+const RG: usize = 64;
 
 /// The op's state: mask, scale, and what the forward keeps for backward.
 pub(crate) struct Flash {
@@ -77,6 +81,42 @@ impl Flash {
         first..last.max(first)
     }
 
+    /// Calls `f(rows, keys)`, both relative to the tile, over the parts of
+    /// the tile of query rows `r0..r0 + br` and keys `j0..j0 + bc` that the
+    /// mask leaves visible: the whole tile when every group of `RG` rows sees
+    /// all its keys, else each group with the keys any of its rows sees (a
+    /// causal diagonal tile, or a window's first, is about half visible: its
+    /// products then do about 5/8 of a tile's work).
+    fn for_live(
+        &self,
+        (r0, br): (usize, usize),
+        (j0, bc): (usize, usize),
+        mut f: impl FnMut(Range<usize>, Range<usize>),
+    ) {
+        let keys = |a: usize, rows: usize| -> Range<usize> {
+            let end = match self.mask.causal_offset {
+                Some(o) => (o + a + rows).clamp(j0, j0 + bc),
+                None => j0 + bc,
+            };
+            let start = self.mask.window_start(a).clamp(j0, end);
+            start - j0..end - j0
+        };
+        let last = (br.max(1) - 1) / RG * RG;
+        // Visible ranges only widen down the rows at the end and narrow at
+        // the start: the first group has the fewest trailing keys, the last
+        // the fewest leading ones.
+        if keys(r0, RG.min(br)).end == bc && keys(r0 + last, br - last).start == 0 {
+            return f(0..br, 0..bc);
+        }
+        for a in (0..br).step_by(RG) {
+            let rows = RG.min(br - a);
+            let cols = keys(r0 + a, rows);
+            if !cols.is_empty() {
+                f(a..a + rows, cols);
+            }
+        }
+    }
+
     /// The scores of query rows `r0..r0 + br` against keys `j0..j0 + bc`
     /// into `buf` (`[br, bc]`): scaled products, plus the bias, with keys
     /// past a row's causal limit set to -inf.
@@ -91,9 +131,22 @@ impl Flash {
         d: usize,
         bias: Bias<'_>,
     ) {
-        let qt = MatRef::rows(q.0, head.qo + r0 * q.2[2], q.2[2]);
-        let kt = MatRef::rows_t(k.0, head.ko + j0 * k.2[2], k.2[2]);
-        gemm((br, bc, d), buf, 0, bc, false, qt, kt, self.scale, false);
+        let mut seen = 0;
+        self.for_live((r0, br), (j0, bc), |rows, cols| {
+            // Keys no row of the group sees are not multiplied.
+            buf[seen * bc..rows.start * bc].fill(f32::NEG_INFINITY);
+            for row in buf[rows.start * bc..rows.end * bc].chunks_exact_mut(bc) {
+                row[..cols.start].fill(f32::NEG_INFINITY);
+                row[cols.end..].fill(f32::NEG_INFINITY);
+            }
+            seen = rows.end;
+            let qt = MatRef::rows(q.0, head.qo + (r0 + rows.start) * q.2[2], q.2[2]);
+            let kt = MatRef::rows_t(k.0, head.ko + (j0 + cols.start) * k.2[2], k.2[2]);
+            let dims = (rows.len(), cols.len(), d);
+            let off = rows.start * bc + cols.start;
+            gemm(dims, buf, off, bc, false, qt, kt, self.scale, false);
+        });
+        buf[seen * bc..br * bc].fill(f32::NEG_INFINITY);
         for (r, row) in buf.chunks_exact_mut(bc).take(br).enumerate() {
             let i = r0 + r;
             if let Some((data, off, st)) = bias {
@@ -153,18 +206,12 @@ impl Flash {
                 }
                 m[r] = m_new;
             }
-            let vt = MatRef::rows(v.0, head.vo + j0 * v.2[2], v.2[2]);
-            gemm(
-                (br, d, bc),
-                &mut acc,
-                0,
-                d,
-                true,
-                MatRef::rows(p, 0, bc),
-                vt,
-                1.0,
-                false,
-            );
+            self.for_live((r0, br), (j0, bc), |rows, cols| {
+                let vt = MatRef::rows(v.0, head.vo + (j0 + cols.start) * v.2[2], v.2[2]);
+                let pr = MatRef::rows(p, rows.start * bc + cols.start, bc);
+                let dims = (rows.len(), d, cols.len());
+                gemm(dims, &mut acc, rows.start * d, d, true, pr, vt, 1.0, false);
+            });
         }
         let mut lse = vec![f32::NEG_INFINITY; br];
         for r in 0..br {
@@ -304,19 +351,25 @@ impl Flash {
                             let bc = BC.min(keys.end - j0);
                             let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
                             self.tile_grads(&c, head, bh, (r0, br), (j0, bc), p, ds);
-                            let dy = MatRef::rows(g, (bh * t + r0) * d, d);
-                            let kt = MatRef::rows(k.0, head.ko + j0 * k.2[2], k.2[2]);
-                            let qt = MatRef::rows(q.0, head.qo + r0 * q.2[2], q.2[2]);
-                            let (p_t, ds_r, ds_t) = (
-                                MatRef::rows_t(p, 0, bc),
-                                MatRef::rows(ds, 0, bc),
-                                MatRef::rows_t(ds, 0, bc),
-                            );
-                            // dV_j += P^T dY, dQ_i += dS K_j, dK_j += dS^T Q_i
-                            gemm((bc, d, br), dv, j0 * d, d, true, p_t, dy, 1.0, false);
-                            let dq_off = (r * t + r0) * d;
-                            gemm((br, d, bc), dq, dq_off, d, true, ds_r, kt, 1.0, false);
-                            gemm((bc, d, br), dk, j0 * d, d, true, ds_t, qt, 1.0, false);
+                            let (p, ds) = (&*p, &*ds);
+                            self.for_live((r0, br), (j0, bc), |rows, cols| {
+                                let (i0, c0) = (r0 + rows.start, j0 + cols.start);
+                                let dy = MatRef::rows(g, (bh * t + i0) * d, d);
+                                let kt = MatRef::rows(k.0, head.ko + c0 * k.2[2], k.2[2]);
+                                let qt = MatRef::rows(q.0, head.qo + i0 * q.2[2], q.2[2]);
+                                let at = rows.start * bc + cols.start;
+                                let (p_t, ds_r, ds_t) = (
+                                    MatRef::rows_t(p, at, bc),
+                                    MatRef::rows(ds, at, bc),
+                                    MatRef::rows_t(ds, at, bc),
+                                );
+                                let (m, n) = (rows.len(), cols.len());
+                                // dV_j += P^T dY, dQ_i += dS K_j, dK_j += dS^T Q_i
+                                gemm((n, d, m), dv, c0 * d, d, true, p_t, dy, 1.0, false);
+                                let dq_off = (r * t + i0) * d;
+                                gemm((m, d, n), dq, dq_off, d, true, ds_r, kt, 1.0, false);
+                                gemm((n, d, m), dk, c0 * d, d, true, ds_t, qt, 1.0, false);
+                            });
                         }
                     }
                 }
@@ -361,9 +414,21 @@ impl Flash {
         for (rr, row) in p.chunks_exact_mut(bc).enumerate() {
             exp_shifted(row, c.lse[row0 + rr]);
         }
-        let dy = MatRef::rows(c.g, row0 * d, d);
-        let vt = MatRef::rows_t(v.0, head.vo + j0 * v.2[2], v.2[2]);
-        gemm((br, bc, d), ds, 0, bc, false, dy, vt, 1.0, false);
+        // dY V^T where P is visible; 0 elsewhere (P is 0 there too).
+        let mut seen = 0;
+        self.for_live((r0, br), (j0, bc), |rows, cols| {
+            ds[seen * bc..rows.start * bc].fill(0.0);
+            for row in ds[rows.start * bc..rows.end * bc].chunks_exact_mut(bc) {
+                row[..cols.start].fill(0.0);
+                row[cols.end..].fill(0.0);
+            }
+            seen = rows.end;
+            let dy = MatRef::rows(c.g, (row0 + rows.start) * d, d);
+            let vt = MatRef::rows_t(v.0, head.vo + (j0 + cols.start) * v.2[2], v.2[2]);
+            let (dims, off) = ((rows.len(), cols.len(), d), rows.start * bc + cols.start);
+            gemm(dims, ds, off, bc, false, dy, vt, 1.0, false);
+        });
+        ds[seen * bc..br * bc].fill(0.0);
         for (rr, (dr, pr)) in ds.chunks_exact_mut(bc).zip(p.chunks_exact(bc)).enumerate() {
             let dl = c.delta[row0 + rr];
             dr.iter_mut()
@@ -396,11 +461,17 @@ impl Flash {
                     let br = BR.min(t - r0);
                     let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
                     self.tile_grads(c, head, bh, (r0, br), (j0, bc), p, ds);
-                    let dy = MatRef::rows(c.g, (bh * t + r0) * d, d);
-                    let qt = MatRef::rows(q.0, head.qo + r0 * q.2[2], q.2[2]);
-                    let (p_t, ds_t) = (MatRef::rows_t(p, 0, bc), MatRef::rows_t(ds, 0, bc));
-                    gemm((bc, d, br), &mut dv, 0, d, true, p_t, dy, 1.0, false);
-                    gemm((bc, d, br), &mut dk, 0, d, true, ds_t, qt, 1.0, false);
+                    let (p, ds) = (&*p, &*ds);
+                    self.for_live((r0, br), (j0, bc), |rows, cols| {
+                        let i0 = r0 + rows.start;
+                        let dy = MatRef::rows(c.g, (bh * t + i0) * d, d);
+                        let qt = MatRef::rows(q.0, head.qo + i0 * q.2[2], q.2[2]);
+                        let at = rows.start * bc + cols.start;
+                        let (p_t, ds_t) = (MatRef::rows_t(p, at, bc), MatRef::rows_t(ds, at, bc));
+                        let (dims, off) = ((cols.len(), d, rows.len()), cols.start * d);
+                        gemm(dims, &mut dv, off, d, true, p_t, dy, 1.0, false);
+                        gemm(dims, &mut dk, off, d, true, ds_t, qt, 1.0, false);
+                    });
                 }
             }
             (dk, dv)
@@ -417,18 +488,13 @@ impl Flash {
                 let bc = BC.min(keys.end - j0);
                 let (p, ds) = (&mut p[..br * bc], &mut ds[..br * bc]);
                 self.tile_grads(c, head, bh, (r0, br), (j0, bc), p, ds);
-                let kt = MatRef::rows(k.0, head.ko + j0 * k.2[2], k.2[2]);
-                gemm(
-                    (br, d, bc),
-                    &mut dq,
-                    0,
-                    d,
-                    true,
-                    MatRef::rows(ds, 0, bc),
-                    kt,
-                    1.0,
-                    false,
-                );
+                let ds = &*ds;
+                self.for_live((r0, br), (j0, bc), |rows, cols| {
+                    let kt = MatRef::rows(k.0, head.ko + (j0 + cols.start) * k.2[2], k.2[2]);
+                    let ds_r = MatRef::rows(ds, rows.start * bc + cols.start, bc);
+                    let dims = (rows.len(), d, cols.len());
+                    gemm(dims, &mut dq, rows.start * d, d, true, ds_r, kt, 1.0, false);
+                });
             }
             dq
         });

@@ -148,6 +148,9 @@ fn sliding_windows_skip_the_tiles_before_them() -> Result<()> {
         (BR + 3, BR + 3, BC + 10),
         (40, 2 * BC + 7, 50),
         (1, 2 * BC + 7, 100),
+        // Groups of rows that see none of a tile's keys, and groups cut at
+        // both ends, in tiles the window's edge crosses.
+        (2 * BR + 5, 2 * BR + 5, 45),
     ];
     for (t, s, window) in cases {
         let offset = s - t;
