@@ -86,7 +86,7 @@ impl Flash {
     /// mask leaves visible: the whole tile when every group of `RG` rows sees
     /// all its keys, else each group with the keys any of its rows sees (a
     /// causal diagonal tile, or a window's first, is about half visible: its
-    /// products then do about 5/8 of a tile's work).
+    /// products then do 3/4 of a tile's work).
     fn for_live(
         &self,
         (r0, br): (usize, usize),
@@ -117,6 +117,30 @@ impl Flash {
         }
     }
 
+    /// [`Self::for_live`] writing into `buf` (`[br, bc]`), whose values
+    /// outside the visible parts are set to `hidden` (their products are
+    /// not computed). `f` gets `buf` too.
+    fn for_live_into(
+        &self,
+        buf: &mut [f32],
+        hidden: f32,
+        (r0, br): (usize, usize),
+        (j0, bc): (usize, usize),
+        mut f: impl FnMut(&mut [f32], Range<usize>, Range<usize>),
+    ) {
+        let mut seen = 0;
+        self.for_live((r0, br), (j0, bc), |rows, cols| {
+            buf[seen * bc..rows.start * bc].fill(hidden);
+            for row in buf[rows.start * bc..rows.end * bc].chunks_exact_mut(bc) {
+                row[..cols.start].fill(hidden);
+                row[cols.end..].fill(hidden);
+            }
+            seen = rows.end;
+            f(buf, rows, cols);
+        });
+        buf[seen * bc..br * bc].fill(hidden);
+    }
+
     /// The scores of query rows `r0..r0 + br` against keys `j0..j0 + bc`
     /// into `buf` (`[br, bc]`): scaled products, plus the bias, with keys
     /// past a row's causal limit set to -inf.
@@ -131,22 +155,14 @@ impl Flash {
         d: usize,
         bias: Bias<'_>,
     ) {
-        let mut seen = 0;
-        self.for_live((r0, br), (j0, bc), |rows, cols| {
-            // Keys no row of the group sees are not multiplied.
-            buf[seen * bc..rows.start * bc].fill(f32::NEG_INFINITY);
-            for row in buf[rows.start * bc..rows.end * bc].chunks_exact_mut(bc) {
-                row[..cols.start].fill(f32::NEG_INFINITY);
-                row[cols.end..].fill(f32::NEG_INFINITY);
-            }
-            seen = rows.end;
+        let hidden = f32::NEG_INFINITY;
+        self.for_live_into(buf, hidden, (r0, br), (j0, bc), |buf, rows, cols| {
             let qt = MatRef::rows(q.0, head.qo + (r0 + rows.start) * q.2[2], q.2[2]);
             let kt = MatRef::rows_t(k.0, head.ko + (j0 + cols.start) * k.2[2], k.2[2]);
             let dims = (rows.len(), cols.len(), d);
             let off = rows.start * bc + cols.start;
             gemm(dims, buf, off, bc, false, qt, kt, self.scale, false);
         });
-        buf[seen * bc..br * bc].fill(f32::NEG_INFINITY);
         for (r, row) in buf.chunks_exact_mut(bc).take(br).enumerate() {
             let i = r0 + r;
             if let Some((data, off, st)) = bias {
@@ -415,20 +431,12 @@ impl Flash {
             exp_shifted(row, c.lse[row0 + rr]);
         }
         // dY V^T where P is visible; 0 elsewhere (P is 0 there too).
-        let mut seen = 0;
-        self.for_live((r0, br), (j0, bc), |rows, cols| {
-            ds[seen * bc..rows.start * bc].fill(0.0);
-            for row in ds[rows.start * bc..rows.end * bc].chunks_exact_mut(bc) {
-                row[..cols.start].fill(0.0);
-                row[cols.end..].fill(0.0);
-            }
-            seen = rows.end;
+        self.for_live_into(ds, 0.0, (r0, br), (j0, bc), |ds, rows, cols| {
             let dy = MatRef::rows(c.g, (row0 + rows.start) * d, d);
             let vt = MatRef::rows_t(v.0, head.vo + (j0 + cols.start) * v.2[2], v.2[2]);
             let (dims, off) = ((rows.len(), cols.len(), d), rows.start * bc + cols.start);
             gemm(dims, ds, off, bc, false, dy, vt, 1.0, false);
         });
-        ds[seen * bc..br * bc].fill(0.0);
         for (rr, (dr, pr)) in ds.chunks_exact_mut(bc).zip(p.chunks_exact(bc)).enumerate() {
             let dl = c.delta[row0 + rr];
             dr.iter_mut()
